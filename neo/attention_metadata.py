@@ -1,0 +1,50 @@
+"""``AttentionMetadata``: what the layer stages of one sub-batch need to know about its tokens.
+
+Token order inside a sub-batch (``T`` tokens in all)::
+
+    [ prefill tokens (prompts packed back to back) | GPU decodes | CPU decodes ]
+      num_prefill_tokens                             num_gpu_decodes num_cpu_decodes
+
+"GPU" means the compute device and its KV cache (the CPU itself on a machine without CUDA);
+"CPU" means the host KV cache, whose decode attention the pipeline runs on the host CPU.
+The model's stages use the compute-device fields; the pipeline executor uses the host fields.
+Two sub-batches can be in flight at once, so this object is always passed explicitly.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-sub-batch metadata; tensors on the compute device unless the name says ``host``."""
+
+    num_prefill_tokens: int
+    num_gpu_decodes: int
+    num_cpu_decodes: int
+    positions: torch.Tensor  # int64 [T]: position of each token in its sequence
+    slot_mapping: torch.Tensor  # int64 [T]: slot in the compute-device cache, -1 = not stored there
+    prefill_cu_seqlens: torch.Tensor  # int32 [num_prefills + 1]
+    max_prefill_len: int
+    gpu_block_table: torch.Tensor  # int32 [num_gpu_decodes, max_blocks]
+    gpu_seq_lens: torch.Tensor  # int32 [num_gpu_decodes], current token included
+    # Host side: CPU decodes and prefills whose KV goes to the host cache.
+    cpu_block_table_host: torch.Tensor  # int32 [num_cpu_decodes, max_blocks]
+    cpu_seq_lens_host: torch.Tensor  # int32 [num_cpu_decodes], current token included
+    cpu_slot_mapping_host: torch.Tensor  # int64 [num_cpu_decodes]: host-cache slot of each new token
+    offload_token_indices: torch.Tensor  # int64 [N] (compute device): prefill tokens bound for host
+    offload_slot_mapping_host: torch.Tensor  # int64 [N]: their host-cache slots
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_gpu_decodes + self.num_cpu_decodes
+
+    @property
+    def num_gpu_tokens(self) -> int:
+        """Tokens whose attention runs on the compute device (prefills and GPU decodes)."""
+        return self.num_prefill_tokens + self.num_gpu_decodes
+
+    @property
+    def num_offloaded_prefill_tokens(self) -> int:
+        return self.offload_token_indices.numel()

@@ -1,0 +1,1 @@
+"""Workload data shipped with neo."""

@@ -1,0 +1,1 @@
+"""Model configuration files shipped with neo (Hugging Face config.json shapes)."""

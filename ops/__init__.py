@@ -1,0 +1,13 @@
+"""The neo op library: ``torch.ops.neo.*``.
+
+Importing this package declares every op (``schemas``), registers the pure-torch reference,
+loads the compiled CPU (ISPC) and CUDA kernels when they were built, and falls back to the
+numba kernel on the CPU when ISPC was not. ``python -m neo.ops`` lists what is available.
+"""
+
+from . import library, registry
+from .registry import Implementation, dispatched, implementations
+from .schemas import OP_NAMES, SCHEMAS
+
+__all__ = ["OP_NAMES", "SCHEMAS", "Implementation", "dispatched", "implementations", "library",
+           "registry"]

@@ -1,0 +1,81 @@
+"""Declares ``torch.ops.neo`` and one namespace per implementation, with fake kernels.
+
+``torch.ops.neo.<op>`` is what models call: the pure-torch reference is registered as its
+``CompositeExplicitAutograd`` kernel (any device), and compiled kernels registered for the CPU
+or CUDA dispatch key take precedence on their device. Every implementation is also declared
+under its own namespace (``torch.ops.neo_reference.<op>``, ``torch.ops.neo_numba.<op>``,
+``torch.ops.neo_ispc.<op>``, ``torch.ops.neo_cuda.<op>``), declared by ``registry`` when that
+implementation is available, so tests and benchmarks can call each one by name.
+"""
+
+import torch
+from torch.library import Library
+
+from . import checks
+from .schemas import SCHEMAS
+
+_libraries: dict[str, Library] = {}
+
+
+def declare(namespace: str, op_names) -> Library:
+    """Declare ``op_names`` (schemas from ``SCHEMAS``, with fake kernels) in ``namespace``."""
+    library = Library(namespace, "DEF")
+    for name in op_names:
+        library.define(name + SCHEMAS[name])
+        torch.library.register_fake(f"{namespace}::{name}", FAKE_KERNELS[name], lib=library)
+    _libraries[namespace] = library
+    return library
+
+
+def library(namespace: str) -> Library:
+    """The ``Library`` object of a declared namespace (for registering kernels from Python)."""
+    return _libraries[namespace]
+
+
+# Fake kernels: every op writes into its arguments and returns nothing, so a fake kernel only
+# checks what can be checked from metadata.
+
+def _fake_paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale):
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+
+
+def _fake_store_kv_cache(key, value, k_cache, v_cache, slot_mapping):
+    checks.check_store_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _fake_swap_blocks(src, dst, block_mapping):
+    checks.check_swap_blocks_args(src, dst, block_mapping)
+
+
+def _fake_prefill_attention(out, q, k, v, cu_seqlens, max_seqlen, scale):
+    checks.check_prefill_attention_args(out, q, k, v, cu_seqlens)
+
+
+def _fake_rms_norm(out, input, weight, epsilon):
+    checks.check_rms_norm_args("rms_norm", input, weight, out)
+
+
+def _fake_fused_add_rms_norm(input, residual, weight, epsilon):
+    checks.check_rms_norm_args("fused_add_rms_norm", input, weight, residual)
+
+
+def _fake_rotary_embedding(positions, query, key, cos_sin_cache):
+    checks.check_rotary_embedding_args(positions, query, key, cos_sin_cache)
+
+
+def _fake_silu_and_mul(out, input):
+    checks.check_silu_and_mul_args(out, input)
+
+
+FAKE_KERNELS = {
+    "paged_decode_attention": _fake_paged_decode_attention,
+    "store_kv_cache": _fake_store_kv_cache,
+    "swap_blocks": _fake_swap_blocks,
+    "prefill_attention": _fake_prefill_attention,
+    "rms_norm": _fake_rms_norm,
+    "fused_add_rms_norm": _fake_fused_add_rms_norm,
+    "rotary_embedding": _fake_rotary_embedding,
+    "silu_and_mul": _fake_silu_and_mul,
+}
+
+declare("neo", SCHEMAS)
