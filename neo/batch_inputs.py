@@ -1,0 +1,100 @@
+"""Turns a ``SubBatch`` into model inputs: token ids, ``AttentionMetadata``, logit rows."""
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .request import KVLocation, Request
+from .scheduler_output import SubBatch
+
+
+@dataclass
+class BatchInputs:
+    """Everything one sub-batch's forward needs, on the compute device unless ``host``."""
+
+    requests: list[Request]  # in logit-row order: prefills, GPU decodes, CPU decodes
+    input_ids: torch.Tensor  # int64 [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [len(requests)]: token row of each request's last token
+
+
+def _block_table(requests: list[Request]) -> torch.Tensor:
+    """int32 host tensor ``[len(requests), longest table]``, padded with block 0 (never read)."""
+    width = max((len(request.block_table) for request in requests), default=0)
+    rows = [request.block_table + [0] * (width - len(request.block_table)) for request in requests]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(requests), width)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -> BatchInputs:
+    """Lay out the sub-batch's tokens (prefills packed, then GPU decodes, then CPU decodes)."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    offload_indices: list[int] = []
+    offload_slots: list[int] = []
+    cu_seqlens = [0]
+    logits_rows: list[int] = []
+
+    for request in batch.prefills:
+        length = request.num_tokens
+        table = request.block_table
+        request_slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        start = len(token_ids)
+        token_ids += request.all_token_ids
+        positions += range(length)
+        if request.location is KVLocation.GPU:
+            slots += request_slots
+        else:
+            slots += [-1] * length
+            offload_indices += range(start, start + length)
+            offload_slots += request_slots
+        cu_seqlens.append(cu_seqlens[-1] + length)
+        logits_rows.append(len(token_ids) - 1)
+    max_prefill_len = max((request.num_tokens for request in batch.prefills), default=0)
+
+    def add_decodes(requests: list[Request], on_device: bool) -> list[int]:
+        decode_slots = []
+        for request in requests:
+            position = request.num_tokens - 1
+            slot = request.block_table[position // block_size] * block_size + position % block_size
+            token_ids.append(request.last_token_id)
+            positions.append(position)
+            slots.append(slot if on_device else -1)
+            decode_slots.append(slot)
+            logits_rows.append(len(token_ids) - 1)
+        return decode_slots
+
+    add_decodes(batch.gpu_decodes, on_device=True)
+    cpu_slots = add_decodes(batch.cpu_decodes, on_device=False)
+
+    int32, int64 = torch.int32, torch.int64
+    metadata = AttentionMetadata(
+        num_prefill_tokens=cu_seqlens[-1],
+        num_gpu_decodes=len(batch.gpu_decodes),
+        num_cpu_decodes=len(batch.cpu_decodes),
+        positions=_to_device(positions, int64, device),
+        slot_mapping=_to_device(slots, int64, device),
+        prefill_cu_seqlens=_to_device(cu_seqlens, int32, device),
+        max_prefill_len=max_prefill_len,
+        gpu_block_table=_to_device(_block_table(batch.gpu_decodes), int32, device),
+        gpu_seq_lens=_to_device([r.num_tokens for r in batch.gpu_decodes], int32, device),
+        cpu_block_table_host=_block_table(batch.cpu_decodes),
+        cpu_seq_lens_host=torch.tensor([r.num_tokens for r in batch.cpu_decodes], dtype=int32),
+        cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=int64),
+        offload_token_indices=_to_device(offload_indices, int64, device),
+        offload_slot_mapping_host=torch.tensor(offload_slots, dtype=int64),
+    )
+    return BatchInputs(
+        requests=batch.prefills + batch.gpu_decodes + batch.cpu_decodes,
+        input_ids=_to_device(token_ids, int64, device),
+        metadata=metadata,
+        logits_indices=_to_device(logits_rows, int64, device),
+    )

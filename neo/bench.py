@@ -1,0 +1,105 @@
+"""Offline throughput benchmark: every request submitted at once, run to completion."""
+
+import dataclasses
+import platform
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .kv_cache import GIB
+from .request import KVLocation
+from .sampling_params import SamplingParams
+from .workloads import parse_workload, random_prompt
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
+
+
+def steady_throughput(finish_log: list[tuple[float, int]], low: float = 0.1, high: float = 0.9) -> float:
+    """Output tokens/s between the moments ``low`` and ``high`` of all output tokens were made.
+
+    finish_log: (time, cumulative output tokens) after each iteration. Leaves out the
+    prefill-heavy start and the draining tail of an all-at-once run."""
+    total = finish_log[-1][1]
+    start = next(entry for entry in finish_log if entry[1] >= low * total)
+    end = next(entry for entry in finish_log if entry[1] >= high * total)
+    if end[0] <= start[0]:
+        return 0.0
+    return (end[1] - start[1]) / (end[0] - start[0])
+
+
+def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int, seed: int = 0,
+                          show_progress: bool = True, engine: LLMEngine | None = None) -> dict:
+    """Run the workload; returns a dict of figures (and ``summary``, a printable text)."""
+    requests = parse_workload(workload, num_requests, seed=seed)
+    owns_engine = engine is None
+    engine = engine or LLMEngine(config)
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    limit = engine.max_model_len
+    for item in requests:
+        prompt_len = min(item.prompt_len, limit - 1, config.max_num_batched_tokens)
+        output_len = max(1, min(item.output_len, limit - prompt_len))
+        engine.add_request(random_prompt(prompt_len, vocab, rng),
+                           SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    metrics_before = dataclasses.replace(engine.metrics)
+    progress = tqdm(total=len(requests), desc=f"bench {config.policy}", unit="req", disable=not show_progress)
+    peak_blocks = {KVLocation.GPU: 0, KVLocation.CPU: 0}
+    log: list[tuple[float, int]] = []
+    prompt_tokens = output_tokens = finished = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            output_tokens += 1
+            if output.finished:
+                finished += 1
+                prompt_tokens += len(output.prompt_token_ids)
+                progress.update(1)
+        log.append((time.perf_counter() - start, output_tokens))
+        for location in peak_blocks:
+            pool = engine.block_manager.pools[location]
+            peak_blocks[location] = max(peak_blocks[location], pool.num_used)
+    elapsed = time.perf_counter() - start
+    progress.close()
+    metrics = {key: value - getattr(metrics_before, key)
+               for key, value in dataclasses.asdict(engine.metrics).items()}
+    block_gib = engine.layout.block_bytes / GIB
+    result = {
+        "model": config.model,
+        "policy": config.policy,
+        "device": device_name(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "workload": workload,
+        "num_requests": len(requests),
+        "elapsed_s": elapsed,
+        "requests_per_s": finished / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "steady_output_tokens_per_s": steady_throughput(log),
+        "gpu_kv_pool_gib": engine.layout.num_gpu_blocks * block_gib,
+        "cpu_kv_pool_gib": engine.layout.num_cpu_blocks * block_gib,
+        "gpu_kv_peak_gib": peak_blocks[KVLocation.GPU] * block_gib,
+        "cpu_kv_peak_gib": peak_blocks[KVLocation.CPU] * block_gib,
+        "metrics": metrics,
+        "config": {key: value for key, value in dataclasses.asdict(config).items()},
+    }
+    result["summary"] = (
+        f"{config.model} [{config.policy}] on {result['device']}, {workload}, {len(requests)} requests\n"
+        f"  {result['requests_per_s']:.3f} requests/s, {result['output_tokens_per_s']:.1f} output tokens/s, "
+        f"{result['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s)\n"
+        f"  steady-state output tokens/s: {result['steady_output_tokens_per_s']:.1f}\n"
+        f"  KV pools: GPU {result['gpu_kv_pool_gib']:.2f} GiB (peak used {result['gpu_kv_peak_gib']:.2f}), "
+        f"host {result['cpu_kv_pool_gib']:.2f} GiB (peak used {result['cpu_kv_peak_gib']:.2f})\n"
+        f"  iterations {metrics['iterations']}, two-sub-batch {metrics['two_batch_iterations']}, "
+        f"GPU decode tokens {metrics['gpu_decode_tokens']}, host decode tokens {metrics['cpu_decode_tokens']}, "
+        f"swapped out/in {metrics['blocks_swapped_out']}/{metrics['blocks_swapped_in']} blocks")
+    if owns_engine:
+        engine.close()
+    return result

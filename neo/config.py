@@ -1,0 +1,86 @@
+"""``EngineConfig``: every engine setting, validated on creation."""
+
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("gpu-only", "neo", "full-offload")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Sizes derived from them (block counts) live in ``CacheLayout``.
+
+    model: "neo-tiny", a shipped config name (with ``load_format="dummy"``) or a Hugging Face
+        model directory.
+    device: compute device; None picks CUDA when available, else the CPU.
+    dtype: "auto" (the checkpoint's dtype on CUDA, float32 on the CPU) or a dtype name.
+    policy: "gpu-only" (all KV on the compute device, preemption by swapping), "neo" (overflow
+        requests decode on the host CPU, asymmetric pipeline, load-aware choice per iteration) or
+        "full-offload" (every decode's KV and attention on the host CPU).
+    gpu_kv_cache_gib: size of the compute-device KV pool; None fills ``gpu_memory_utilization``
+        of the free device memory (on a CPU device: 1 GiB).
+    cpu_kv_cache_gib: size of the host KV pool (pinned when CUDA is used).
+    cpu_attention_threads: threads for host decode attention; None = all cores but one.
+    """
+
+    model: str = "neo-tiny"
+    device: str | None = None
+    dtype: str = "auto"
+    policy: str = "gpu-only"
+    load_format: str = "auto"
+    block_size: int = 16
+    gpu_kv_cache_gib: float | None = None
+    cpu_kv_cache_gib: float = 4.0
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    cpu_attention_threads: int | None = None
+    use_cuda_graphs: bool = True
+    perf_model_path: str | None = None
+    trace_path: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; choose one of "
+                             f"{', '.join(LOAD_FORMATS)}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 8 to 128, got "
+                             f"{self.block_size}")
+        if self.gpu_kv_cache_gib is not None and self.gpu_kv_cache_gib <= 0:
+            raise ValueError(f"gpu_kv_cache_gib must be positive, got {self.gpu_kv_cache_gib}")
+        if self.cpu_kv_cache_gib < 0:
+            raise ValueError(f"cpu_kv_cache_gib must be >= 0, got {self.cpu_kv_cache_gib}")
+        if self.policy != "gpu-only" and self.cpu_kv_cache_gib == 0:
+            raise ValueError(f"policy {self.policy!r} keeps KV on the host: cpu_kv_cache_gib "
+                             f"must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.cpu_attention_threads is not None and self.cpu_attention_threads < 1:
+            raise ValueError(f"cpu_attention_threads must be >= 1, got "
+                             f"{self.cpu_attention_threads}")
+        if self.device is not None:
+            device = torch.device(self.device)
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError("device 'cuda' was requested but CUDA is not available")
+
+    @property
+    def compute_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")

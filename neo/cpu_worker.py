@@ -1,0 +1,50 @@
+"""``CpuAttentionWorker``: the host thread that runs decode attention over the host KV cache."""
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+def default_cpu_attention_threads() -> int:
+    """All cores this process may use, but one: that one launches the GPU work."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (available or 1) - 1)
+
+
+class CpuAttentionWorker:
+    """One worker thread; tasks run in submission order, each may use ``num_threads`` cores.
+
+    The ops it calls release the GIL, so the main thread keeps launching GPU work meanwhile.
+    An exception inside a task is re-raised by ``Future.result()`` in the caller.
+    """
+
+    def __init__(self, num_threads: int):
+        self.num_threads = num_threads
+        self._busy_seconds = 0.0
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
+                                            initializer=torch.set_num_threads,
+                                            initargs=(num_threads,))
+
+    def submit(self, task) -> Future:
+        return self._executor.submit(self._timed, task)
+
+    def _timed(self, task):
+        start = time.perf_counter()
+        try:
+            return task()
+        finally:
+            with self._lock:
+                self._busy_seconds += time.perf_counter() - start
+
+    def take_busy_seconds(self) -> float:
+        """Seconds spent in tasks since the last call."""
+        with self._lock:
+            busy, self._busy_seconds = self._busy_seconds, 0.0
+        return busy
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

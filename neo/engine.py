@@ -1,0 +1,251 @@
+"""``LLMEngine``: add requests, then ``step`` = schedule -> execute -> postprocess."""
+
+import itertools
+import logging
+import time
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
+from .executor import PipelineExecutor
+from .kv_cache import GIB, CacheLayout, KVCache
+from .memory import gpu_kv_cache_bytes
+from .metrics import EngineMetrics
+from .model_config import parse_dtype
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """The serving engine. Not thread-safe: one thread owns it (see ``neo.server``)."""
+
+    def __init__(self, config: EngineConfig):
+        from neo.models.loader import load_model, resolve_model_config
+        from neo.tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = config.compute_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model_config = resolve_model_config(config.model)
+        self.dtype = self._resolve_dtype(config.dtype, model_config.dtype)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                load_format=config.load_format, seed=config.seed,
+                                max_positions=self.max_model_len)
+        self.model_config = self.model.config
+        self.tokenizer = load_tokenizer(config.model)
+
+        self.layout = CacheLayout.for_budgets(
+            self.model_config, self.dtype, config.block_size,
+            gpu_bytes=gpu_kv_cache_bytes(config, self.model, self.device, self.max_model_len),
+            cpu_bytes=int(config.cpu_kv_cache_gib * GIB))
+        if self.layout.num_gpu_blocks == 0 and config.policy != "full-offload":
+            raise ValueError(f"the GPU KV pool holds no block of {self.layout.block_bytes} bytes: "
+                             f"raise gpu_kv_cache_gib or gpu_memory_utilization")
+        self.kv_cache = KVCache(self.layout, self.device)
+        self.block_manager = BlockManager(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks,
+                                          config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.worker = None
+        if config.policy != "gpu-only":
+            self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+        executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
+                                    max_cpu_decodes=config.max_num_seqs,
+                                    max_offload_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device)
+        self.metrics = EngineMetrics()
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool "
+                    "%d blocks (%.2f GiB)", self.model_config.name or config.model, self.device,
+                    self.dtype, config.policy, self.layout.num_gpu_blocks,
+                    self.layout.num_gpu_blocks * self.layout.block_bytes / GIB,
+                    self.layout.num_cpu_blocks, self.layout.num_cpu_blocks * self.layout.block_bytes / GIB)
+
+    def _resolve_dtype(self, name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if name == "auto":
+            return checkpoint_dtype if self.device.type == "cuda" else torch.float32
+        return parse_dtype(name)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises ``ValueError`` naming the problem; the engine
+        and the requests already queued are unaffected by a rejected one."""
+        params = sampling_params or SamplingParams()
+        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids, params)
+        request = Request(request_id, token_ids, params, prompt=text, arrival_time=arrival_time)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer.json: pass prompts "
+                                 f"as lists of token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        length = len(token_ids)
+        if length == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((token for token in token_ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if length >= self.max_model_len:
+            raise ValueError(f"prompt of {length} tokens is too long: the model's context is "
+                             f"{self.max_model_len} tokens (prompt + at least one new token)")
+        if length > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt of {length} tokens exceeds max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens} (a prompt is prefilled in one "
+                             f"iteration); raise max_num_batched_tokens")
+        capacity = self._largest_pool_tokens()
+        if length + 1 > capacity:
+            raise ValueError(f"prompt of {length} tokens can never fit the KV pools: the largest "
+                             f"holds {capacity} tokens (GPU pool {self.layout.num_gpu_blocks} "
+                             f"blocks, host pool {self.layout.num_cpu_blocks} blocks of "
+                             f"{self.config.block_size} tokens)")
+
+    def _largest_pool_tokens(self) -> int:
+        if self.config.policy == "gpu-only":
+            blocks = self.layout.num_gpu_blocks
+        elif self.config.policy == "full-offload":
+            blocks = self.layout.num_cpu_blocks
+        else:
+            blocks = max(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks)
+        return blocks * self.config.block_size
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its blocks are free when this returns. False if it is unknown/done."""
+        request = self._requests.pop(str(request_id), None)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.abort(request)
+        request.finish_time = time.monotonic()
+        self.metrics.requests_aborted += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> execute -> postprocess. Returns the requests that got a
+        token (finished ones marked so)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        start = time.perf_counter()
+        tokens = self.runner.execute(plan)
+        self.metrics.busy_seconds += time.perf_counter() - start
+        self._count(plan)
+        return self._postprocess(plan, tokens)
+
+    def _count(self, plan: SchedulerOutput) -> None:
+        metrics = self.metrics
+        metrics.iterations += 1
+        metrics.two_batch_iterations += len([b for b in plan.sub_batches if b]) > 1
+        for batch in plan.sub_batches:
+            metrics.prefill_tokens += batch.num_prefill_tokens
+            metrics.gpu_decode_tokens += len(batch.gpu_decodes)
+            metrics.cpu_decode_tokens += len(batch.cpu_decodes)
+        metrics.blocks_swapped_out += len(plan.swap_out)
+        metrics.blocks_swapped_in += len(plan.swap_in)
+
+    def _postprocess(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for request in plan.finished:
+            logger.warning("request %s outgrew the KV pool at %d tokens and was ended",
+                           request.request_id, request.num_tokens)
+            request.finish_time = now
+            self._requests.pop(request.request_id, None)
+            self.metrics.requests_finished += 1
+            outputs.append(self._output(request))
+        for request, token in zip(plan.requests, tokens):
+            request.num_cached_tokens = request.num_tokens
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.metrics.output_tokens += 1
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                request.finish_time = now
+                self._requests.pop(request.request_id, None)
+                self.metrics.requests_finished += 1
+            outputs.append(self._output(request))
+        self.scheduler.remove_finished()
+        self.metrics.preemptions = self.scheduler.num_preemptions
+        return outputs
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in self._eos_token_ids():
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self.tokenizer is not None and self._cut_at_stop_string(request):
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return tuple(self.tokenizer.eos_token_ids)
+        return self.model_config.eos_token_ids
+
+    def _cut_at_stop_string(self, request: Request) -> bool:
+        text = self.tokenizer.decode(request.output_token_ids)
+        positions = [text.find(stop) for stop in request.sampling_params.stop]
+        found = [position for position in positions if position >= 0]
+        if not found:
+            return False
+        request.output_text = text[:min(found)]
+        return True
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        text = request.output_text
+        if text is None:
+            text = self.tokenizer.decode(request.output_token_ids) if finished and self.tokenizer else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(0, list(request.output_token_ids), text, request.finish_reason)],
+            finished=finished,
+            metrics=RequestMetrics(request.arrival_time, request.first_token_time,
+                                   request.finish_time, request.num_preemptions),
+        )
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.kv_cache.close()
+

@@ -1,0 +1,94 @@
+"""``CacheLayout`` (derived pool sizes) and ``KVCache`` (the cache tensors and their copies)."""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shape of both KV pools, computed once from the configs and the memory budgets."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
+    @classmethod
+    def for_budgets(cls, model: ModelConfig, dtype: torch.dtype, block_size: int,
+                    gpu_bytes: int, cpu_bytes: int) -> "CacheLayout":
+        layout = cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype, 0, 0)
+        return cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype,
+                   num_gpu_blocks=gpu_bytes // layout.block_bytes,
+                   num_cpu_blocks=cpu_bytes // layout.block_bytes)
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+
+def _pin(tensor: torch.Tensor) -> None:
+    """Page-lock an existing host tensor (``cudaHostRegister``) so copies to and from it are
+    asynchronous DMA. Unlike ``pin_memory=True`` this does not round the size up."""
+    if tensor.numel() == 0:
+        return
+    result = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    if int(result) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {tensor.numel() * tensor.element_size() / GIB:.1f} "
+                           f"GiB host KV cache failed with error {int(result)}: lower "
+                           f"cpu_kv_cache_gib or raise the locked-memory limit (ulimit -l)")
+
+
+class KVCache:
+    """Per-layer K and V caches in both pools, ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+
+    The compute-device pool lives on ``device``; the host pool in host memory, page-locked when
+    the compute device is a GPU so swaps and layer-wise copies run as asynchronous DMA.
+    """
+
+    def __init__(self, layout: CacheLayout, device: torch.device):
+        self.layout = layout
+        self.device = device
+        self.gpu = torch.empty(layout.pool_shape(layout.num_gpu_blocks), dtype=layout.dtype, device=device)
+        self.cpu = torch.empty(layout.pool_shape(layout.num_cpu_blocks), dtype=layout.dtype)
+        if device.type == "cuda" and layout.num_cpu_blocks:
+            logger.info("page-locking the %.1f GiB host KV cache", self.cpu.numel() * self.cpu.element_size() / GIB)
+            _pin(self.cpu)
+        self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
+        self.cpu_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
+
+    def close(self) -> None:
+        """Unpin the host pool (the tensors are freed when the last reference goes)."""
+        if self.device.type == "cuda" and self.layout.num_cpu_blocks and self.cpu is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())
+            self.cpu = None
+
+    def swap_layer(self, layer: int, gpu_to_cpu: torch.Tensor, cpu_to_gpu: torch.Tensor) -> None:
+        """Copy whole blocks of one layer between the pools.
+
+        gpu_to_cpu: int64 ``[n, 2]`` host tensor of (gpu_block, cpu_block) rows.
+        cpu_to_gpu: int64 ``[m, 2]`` host tensor of (cpu_block, gpu_block) rows.
+        Runs on the caller's current stream.
+        """
+        gpu_k, gpu_v = self.gpu_layers[layer]
+        cpu_k, cpu_v = self.cpu_layers[layer]
+        if gpu_to_cpu.numel():
+            torch.ops.neo.swap_blocks(gpu_k, cpu_k, gpu_to_cpu)
+            torch.ops.neo.swap_blocks(gpu_v, cpu_v, gpu_to_cpu)
+        if cpu_to_gpu.numel():
+            torch.ops.neo.swap_blocks(cpu_k, gpu_k, cpu_to_gpu)
+            torch.ops.neo.swap_blocks(cpu_v, gpu_v, cpu_to_gpu)

@@ -1,0 +1,76 @@
+"""How much compute-device memory the KV pool gets."""
+
+import logging
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .config import EngineConfig
+from .kv_cache import GIB
+
+logger = logging.getLogger(__name__)
+
+CPU_DEVICE_DEFAULT_GIB = 1.0
+
+
+def gpu_kv_cache_bytes(config: EngineConfig, model, device: torch.device, max_model_len: int) -> int:
+    """``gpu_kv_cache_gib`` when set; otherwise, on CUDA, what is left of
+    ``gpu_memory_utilization`` of the device after the weights and the activation peak of the
+    largest batch (measured by running one); on a CPU device, 1 GiB."""
+    if device.type != "cuda":
+        return int((config.gpu_kv_cache_gib or CPU_DEVICE_DEFAULT_GIB) * GIB)
+    activation_bytes = _activation_peak_bytes(model, config, device, max_model_len)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    usable = int(free - (1 - config.gpu_memory_utilization) * total - activation_bytes)
+    if config.gpu_kv_cache_gib is not None:
+        wanted = int(config.gpu_kv_cache_gib * GIB)
+        if wanted > free - activation_bytes:
+            raise ValueError(f"gpu_kv_cache_gib={config.gpu_kv_cache_gib} does not fit: "
+                             f"{free / GIB:.1f} GiB are free after the weights and "
+                             f"{activation_bytes / GIB:.1f} GiB are needed for activations")
+        return wanted
+    if usable <= 0:
+        raise ValueError(f"no device memory is left for the KV cache: {free / GIB:.1f} GiB free, "
+                         f"activations need {activation_bytes / GIB:.1f} GiB; lower "
+                         f"max_num_batched_tokens or raise gpu_memory_utilization")
+    return usable
+
+
+@torch.inference_mode()
+def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    """Peak extra memory of a prefill of ``max_num_batched_tokens`` tokens (no KV stored)."""
+    model_config = model.config
+    num_tokens = config.max_num_batched_tokens
+    sequence_length = min(num_tokens, max_model_len)
+    lengths = [sequence_length] * (num_tokens // sequence_length)
+    if num_tokens % sequence_length:
+        lengths.append(num_tokens % sequence_length)
+    cu_seqlens = [0]
+    for length in lengths:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+    positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
+    empty_cache = torch.empty((0, model_config.num_kv_heads, config.block_size, model_config.head_dim),
+                              dtype=next(model.parameters()).dtype, device=device)
+    empty_table = torch.empty((0, 0), dtype=torch.int32, device=device)
+    no_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    metadata = AttentionMetadata(
+        num_prefill_tokens=num_tokens, num_gpu_decodes=0, num_cpu_decodes=0, positions=positions,
+        slot_mapping=no_slots, prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+        max_prefill_len=max(lengths), gpu_block_table=empty_table,
+        gpu_seq_lens=torch.empty(0, dtype=torch.int32, device=device),
+        cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
+        cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
+        cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
+        offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
+        offload_slot_mapping_host=torch.empty(0, dtype=torch.int64))
+    input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    hidden = model.forward(input_ids, metadata, [(empty_cache, empty_cache)] * model_config.num_layers)
+    model.compute_logits(hidden[-min(num_tokens, config.max_num_seqs):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    logger.info("activation peak for %d tokens: %.2f GiB", num_tokens, peak / GIB)
+    return peak

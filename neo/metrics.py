@@ -1,0 +1,54 @@
+"""``EngineMetrics``: cumulative counters, and the optional per-iteration trace."""
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineMetrics:
+    """Counters since the engine started (``LLM.get_metrics()`` returns them as a dict)."""
+
+    iterations: int = 0
+    two_batch_iterations: int = 0
+    prefill_tokens: int = 0
+    gpu_decode_tokens: int = 0
+    cpu_decode_tokens: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    output_tokens: int = 0
+    busy_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class IterationRecord:
+    """One iteration of the trace."""
+
+    iteration: int
+    num_sub_batches: int
+    prefill_tokens: int
+    gpu_decodes: int
+    cpu_decodes: int
+    predicted_seconds: float | None
+    measured_seconds: float
+    cpu_busy_seconds: float
+    gpu_busy_seconds: float | None
+
+
+@dataclass
+class IterationTrace:
+    """Per-iteration records, written as JSON on ``save``."""
+
+    records: list[IterationRecord] = field(default_factory=list)
+
+    def add(self, record: IterationRecord) -> None:
+        self.records.append(record)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as file:
+            json.dump([asdict(record) for record in self.records], file, indent=1)

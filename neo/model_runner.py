@@ -1,0 +1,45 @@
+"""``ModelRunner``: executes a plan. It never decides anything."""
+
+import torch
+
+from .batch_inputs import build_batch_inputs
+from .executor import PipelineExecutor
+from .kv_cache import KVCache
+from .sampler import Sampler
+from .scheduler_output import SchedulerOutput
+
+
+def _block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
+
+
+class ModelRunner:
+    """Builds each sub-batch's inputs, runs the executor, samples one token per request."""
+
+    def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.executor = executor
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> list[int]:
+        """Run the plan; returns the sampled token of each request in ``plan.requests`` order."""
+        batches = [build_batch_inputs(batch, self.block_size, self.device)
+                   for batch in plan.sub_batches if batch]
+        requests = [request for inputs in batches for request in inputs.requests]
+        if not requests:
+            if plan.swap_out or plan.swap_in:
+                self.swap(plan)
+            return []
+        logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
+        tokens = self.sampler(logits, [r.sampling_params for r in requests],
+                              [r.generator for r in requests])
+        return tokens.tolist()
+
+    def swap(self, plan: SchedulerOutput) -> None:
+        swap_out, swap_in = _block_pairs(plan.swap_out), _block_pairs(plan.swap_in)
+        for layer_index in range(self.kv_cache.layout.num_layers):
+            self.kv_cache.swap_layer(layer_index, swap_out, swap_in)

@@ -1,0 +1,80 @@
+"""``Request``: the only place per-request state lives."""
+
+import enum
+import time
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not prefilled yet (or preempted by recomputation)
+    RUNNING = "running"  # its KV is in the compute-device pool or the host pool
+    SWAPPED = "swapped"  # preempted: its KV waits in the host pool to be swapped back
+    FINISHED = "finished"
+
+
+class KVLocation(enum.Enum):
+    GPU = "gpu"  # compute-device pool (the CPU itself when there is no CUDA)
+    CPU = "cpu"  # host pool, decoded by the host CPU
+
+
+class Request:
+    """One generation request: tokens, where its KV lives, its blocks, sampling, status."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, prompt: str | None = None,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.status = RequestStatus.WAITING
+        self.location: KVLocation | None = None
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # tokens whose K/V is in the cache
+        self.finish_reason: str | None = None
+        self.output_text: str | None = None  # set when a stop string cut the text
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_cached_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens="
+                f"{self.num_prompt_tokens}+{self.num_output_tokens}, location="
+                f"{self.location.value if self.location else None})")

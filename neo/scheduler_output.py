@@ -1,0 +1,58 @@
+"""The plan a scheduler hands to the executor for one iteration."""
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass
+class SubBatch:
+    """Requests that go through the layers together.
+
+    ``prefills`` already have blocks in their destination pool (``request.location``): a prefill
+    whose location is the host pool computes on the compute device and has its KV copied out
+    layer by layer. ``gpu_decodes`` attend on the compute device, ``cpu_decodes`` on the host.
+    """
+
+    prefills: list[Request] = field(default_factory=list)
+    gpu_decodes: list[Request] = field(default_factory=list)
+    cpu_decodes: list[Request] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(request.num_tokens for request in self.prefills)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + len(self.gpu_decodes) + len(self.cpu_decodes)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.prefills + self.gpu_decodes + self.cpu_decodes
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.gpu_decodes or self.cpu_decodes)
+
+
+@dataclass
+class SchedulerOutput:
+    """One iteration: one sub-batch (sequential stages) or two (asymmetric pipeline), plus the
+    whole-request block copies between pools to perform first (per layer)."""
+
+    sub_batches: list[SubBatch] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
+    predicted_time: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(self.sub_batches) and not self.swap_out and not self.swap_in and not self.finished
+
+    @property
+    def requests(self) -> list[Request]:
+        return [request for batch in self.sub_batches for request in batch.requests]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(batch.num_tokens for batch in self.sub_batches)
