@@ -8,6 +8,9 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -23,6 +26,33 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of {', '.join(_DTYPES)}")
     return _DTYPES[key]
+
+
+def rope_scaling_type(rope_scaling: dict) -> str | None:
+    """The scaling kind of a ``rope_scaling`` dict (``rope_type``, or the older ``type`` key)."""
+    return rope_scaling.get("rope_type", rope_scaling.get("type"))
+
+
+def read_rope_settings(config: dict) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from a Hugging Face config dict.
+
+    Handles both formats: transformers 4.x (``rope_theta`` and ``rope_scaling`` at the top
+    level) and 5.x (one ``rope_parameters`` dict holding ``rope_theta`` and the scaling keys).
+    ``rope_scaling`` is None for plain RoPE (absent, null, or ``rope_type`` "default").
+    """
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        if any(isinstance(value, dict) for value in parameters.values()):
+            raise ValueError(f"per-layer-type rope_parameters are not supported: {parameters}")
+        rope_theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = parameters
+    else:
+        rope_theta = config.get("rope_theta", 10000.0)
+        scaling = config.get("rope_scaling") or {}
+    scaling = {key: value for key, value in scaling.items() if key != "rope_theta"}
+    if rope_scaling_type(scaling) in (None, "default"):
+        return float(rope_theta), None
+    return float(rope_theta), scaling
 
 
 @dataclass(frozen=True)
@@ -64,11 +94,17 @@ class ModelConfig:
         if self.head_dim % 16 or self.head_dim > 256:
             raise ValueError(f"head_dim {self.head_dim} is not supported: neo's attention kernels "
                              f"need a multiple of 16 up to 256")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            kind = rope_scaling_type(self.rope_scaling)
             if kind not in ("llama3", "default"):
                 raise ValueError(f"rope scaling type {kind!r} is not supported (supported: "
                                  f"llama3)")
+            missing = [key for key in LLAMA3_ROPE_KEYS if key not in self.rope_scaling]
+            if kind == "llama3" and missing:
+                raise ValueError(f"llama3 rope scaling needs {', '.join(missing)}; got "
+                                 f"{self.rope_scaling}")
 
     @property
     def q_size(self) -> int:
@@ -97,6 +133,9 @@ class ModelConfig:
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {architecture!r} in {name or 'config'}; "
                              f"neo supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; neo's MLP is "
+                             f"SiLU-gated")
         if config.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
         num_heads = config["num_attention_heads"]
@@ -106,6 +145,7 @@ class ModelConfig:
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(config.get("attention_bias", False))
         dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        rope_theta, rope_scaling = read_rope_settings(config)
         return cls(
             architecture=architecture,
             vocab_size=config["vocab_size"],
@@ -116,13 +156,13 @@ class ModelConfig:
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden_size // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            rope_scaling=config.get("rope_scaling"),
+            rope_scaling=rope_scaling,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=parse_dtype(dtype_name),

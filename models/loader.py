@@ -1,0 +1,280 @@
+"""Model resolution and weight loading.
+
+A model is named by one of:
+
+- ``"neo-tiny"``: the built-in tiny model (``tiny.py``), weights generated in code;
+- a shipped config name (``neo/model_configs/<name>.json``, e.g. ``"llama-3.1-8b"``; case does not
+  matter): real model shapes without weights, for ``load_format="dummy"`` benchmarks;
+- a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (one file, or shards
+  listed in ``model.safetensors.index.json``).
+
+Loading builds the model empty on its device and dtype, then fills it one checkpoint tensor at
+a time: q/k/v are copied into their rows of the fused QKV weight and gate/up into the fused
+gate/up weight. Host memory holds at most one checkpoint tensor (in the checkpoint's dtype)
+beyond the memory-mapped files.
+"""
+
+import glob
+import json
+import os
+from dataclasses import dataclass, replace
+from importlib import resources
+
+import torch
+from safetensors import safe_open
+
+from neo.model_config import ModelConfig, parse_dtype
+
+from . import tiny
+from .llama import CausalLM
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors that carry no weights neo needs (precomputed rotary frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def builtin_config_names() -> list[str]:
+    """Names of the shipped config files (without ``.json``), sorted."""
+    files = resources.files("neo.model_configs").iterdir()
+    return sorted(entry.name[:-len(".json")] for entry in files if entry.name.endswith(".json"))
+
+
+def builtin_model_names() -> list[str]:
+    """Every name ``resolve_model_config`` accepts besides a directory."""
+    return [tiny.TINY_NAME] + builtin_config_names()
+
+
+def _builtin_config(name: str) -> ModelConfig:
+    text = resources.files("neo.model_configs").joinpath(f"{name}.json").read_text()
+    return ModelConfig.from_hf_config(json.loads(text), name=name)
+
+
+def model_kind(model: str) -> str:
+    """'tiny', 'builtin' or 'directory'; raises for anything else."""
+    key = model.lower()
+    if key == tiny.TINY_NAME:
+        return "tiny"
+    if key in builtin_config_names():
+        return "builtin"
+    if os.path.isdir(model):
+        return "directory"
+    raise ValueError(f"unknown model {model!r}: not a model directory and not a built-in name "
+                     f"(built-in: {', '.join(builtin_model_names())})")
+
+
+def resolve_model_config(model: str, dtype: torch.dtype | str | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a model name or directory; ``dtype`` overrides the config's."""
+    kind = model_kind(model)
+    if kind == "tiny":
+        config = tiny.tiny_config()
+    elif kind == "builtin":
+        config = _builtin_config(model.lower())
+    else:
+        config = ModelConfig.from_pretrained(model)
+    return config if dtype is None else replace(config, dtype=parse_dtype(dtype))
+
+
+def load_model(model: str, *, dtype: torch.dtype | str, device: torch.device | str,
+               load_format: str = "auto", seed: int = 0,
+               max_positions: int | None = None) -> CausalLM:
+    """Build a ``CausalLM`` on ``device`` in ``dtype`` and fill its weights.
+
+    load_format: ``"auto"`` (safetensors for a directory, built-in weights for neo-tiny),
+    ``"safetensors"`` (directories only) or ``"dummy"`` (uniform(-1e-3, 1e-3) weights and unit
+    norm weights of the real shapes, generated on ``device`` from ``seed``). ``max_positions``
+    caps the rotary table (and so the longest sequence) below the config's
+    ``max_position_embeddings``.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of "
+                         f"{', '.join(LOAD_FORMATS)}")
+    dtype = parse_dtype(dtype)
+    config = resolve_model_config(model, dtype)
+    kind = model_kind(model)
+    if load_format != "dummy" and kind == "builtin":
+        raise ValueError(f"{model!r} is a built-in config without weights; use "
+                         f"load_format='dummy' for random weights of its shapes, or pass a "
+                         f"Hugging Face model directory")
+    if load_format == "safetensors" and kind == "tiny":
+        raise ValueError(f"{tiny.TINY_NAME} has built-in weights, not safetensors files; use "
+                         f"load_format='auto' (or save_tiny() it to a directory first)")
+    with torch.no_grad():
+        causal_lm = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
+        if load_format == "dummy":
+            initialize_dummy_weights(causal_lm, seed)
+        elif kind == "tiny":
+            load_checkpoint_dict(causal_lm, tiny.tiny_checkpoint())
+        else:
+            load_safetensors(causal_lm, model)
+    return causal_lm.eval()
+
+
+def initialize_dummy_weights(model: CausalLM, seed: int, bound: float = 1e-3) -> None:
+    """Fill every weight with uniform(-bound, bound) and every norm weight with 1, in place.
+
+    Random numbers are drawn in place on the parameters' device and dtype: no host copy and
+    no float32 temporary, one generator kernel per tensor. Deterministic for a given seed
+    and device type. On the meta device it only walks the parameters.
+    """
+    device = model.final_norm_weight.device
+    generator = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm_weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.uniform_(-bound, bound, generator=generator)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows ``[row_start, row_start + shape[0])`` of
+    ``parameter``."""
+
+    parameter: torch.nn.Parameter
+    row_start: int
+    shape: tuple[int, ...]
+
+    def destination(self) -> torch.Tensor:
+        return self.parameter.narrow(0, self.row_start, self.shape[0])
+
+
+def _whole(parameter: torch.nn.Parameter) -> _Target:
+    return _Target(parameter, 0, tuple(parameter.shape))
+
+
+def _row_pieces(parameter: torch.nn.Parameter, prefix: str, suffix: str,
+                pieces: list[tuple[str, int]]) -> dict[str, _Target]:
+    """Targets of the stacked pieces of a fused ``parameter``; pieces are ``(name, rows)``."""
+    targets, start = {}, 0
+    for piece, rows in pieces:
+        targets[f"{prefix}{piece}.{suffix}"] = _Target(parameter, start,
+                                                       (rows,) + tuple(parameter.shape[1:]))
+        start += rows
+    return targets
+
+
+def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
+    """Hugging Face tensor name -> its place in ``model``, for every tensor a checkpoint needs."""
+    config = model.config
+    targets = {"model.embed_tokens.weight": _whole(model.embed_tokens_weight),
+               "model.norm.weight": _whole(model.final_norm_weight)}
+    if not config.tie_word_embeddings:
+        targets["lm_head.weight"] = _whole(model.lm_head_weight)
+    qkv_pieces = [("q_proj", config.q_size), ("k_proj", config.kv_size),
+                  ("v_proj", config.kv_size)]
+    gate_up_pieces = [("gate_proj", config.intermediate_size),
+                      ("up_proj", config.intermediate_size)]
+    for index, layer in enumerate(model.layers):
+        prefix = f"model.layers.{index}."
+        targets[prefix + "input_layernorm.weight"] = _whole(layer.input_norm_weight)
+        targets[prefix + "post_attention_layernorm.weight"] = _whole(
+            layer.post_attention_norm_weight)
+        for suffix in ("weight", "bias"):
+            qkv = getattr(layer, f"qkv_proj_{suffix}")
+            gate_up = getattr(layer, f"gate_up_proj_{suffix}")
+            if qkv is not None:
+                targets.update(_row_pieces(qkv, prefix + "self_attn.", suffix, qkv_pieces))
+            if gate_up is not None:
+                targets.update(_row_pieces(gate_up, prefix + "mlp.", suffix, gate_up_pieces))
+            for name, parameter in ((f"self_attn.o_proj.{suffix}", f"o_proj_{suffix}"),
+                                    (f"mlp.down_proj.{suffix}", f"down_proj_{suffix}")):
+                if getattr(layer, parameter) is not None:
+                    targets[prefix + name] = _whole(getattr(layer, parameter))
+    return targets
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that neo does not use."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def verify_checkpoint_names(model: CausalLM, names, source: str = "") -> dict[str, _Target]:
+    """The targets of ``model``'s checkpoint tensors, after checking a checkpoint's tensor names.
+
+    Raises a ``ValueError`` naming the tensors when ``names`` (every tensor the checkpoint
+    holds) lacks some the model needs or holds some it does not know.
+    """
+    targets = checkpoint_targets(model)
+    present = set(names)
+    missing = [name for name in targets if name not in present]
+    unexpected = sorted(name for name in present
+                        if name not in targets and not _ignorable(name, model.config))
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {_listing(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_listing(unexpected)}")
+        where = f" in {source}" if source else ""
+        raise ValueError(f"checkpoint{where} does not match the {model.config.architecture} "
+                         f"config: " + "; ".join(problems))
+    return targets
+
+
+def copy_checkpoint_tensor(target: _Target, name: str, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor into its place (converting dtype and device)."""
+    if tuple(tensor.shape) != target.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config "
+                         f"implies {target.shape}")
+    with torch.no_grad():
+        target.destination().copy_(tensor)
+
+
+def load_checkpoint_dict(model: CausalLM, checkpoint: dict[str, torch.Tensor]) -> None:
+    """Fill ``model`` from an in-memory ``{Hugging Face name: tensor}`` checkpoint."""
+    targets = verify_checkpoint_names(model, checkpoint)
+    for name, tensor in checkpoint.items():
+        if name in targets:
+            copy_checkpoint_tensor(targets[name], name, tensor)
+
+
+def safetensors_files(directory: str) -> list[str]:
+    """A model directory's checkpoint files: the index's shards, else every ``*.safetensors``."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as file:
+            weight_map = json.load(file).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index_path} has no weight_map")
+        files = [os.path.join(directory, shard) for shard in sorted(set(weight_map.values()))]
+        absent = [os.path.basename(path) for path in files if not os.path.isfile(path)]
+        if absent:
+            raise FileNotFoundError(f"{INDEX_FILE} in {directory!r} lists shards that do not "
+                                    f"exist: {_listing(absent)}")
+        return files
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        other = sorted(os.path.basename(path) for pattern in ("*.bin", "*.pt", "*.pth")
+                       for path in glob.glob(os.path.join(directory, pattern)))
+        hint = (f" (found {_listing(other)}: neo reads safetensors only)" if other else "")
+        raise FileNotFoundError(f"no *.safetensors files in model directory {directory!r}{hint}; "
+                                f"use load_format='dummy' for random weights")
+    return files
+
+
+def load_safetensors(model: CausalLM, directory: str) -> None:
+    """Fill ``model`` from the safetensors checkpoint in ``directory``, one tensor at a time."""
+    files = safetensors_files(directory)
+    file_of: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if name in file_of:
+                    raise ValueError(f"tensor {name} appears in both {file_of[name]} and "
+                                     f"{os.path.basename(path)} of {directory!r}")
+                file_of[name] = os.path.basename(path)
+    targets = verify_checkpoint_names(model, file_of, source=directory)
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if name in targets:
+                    copy_checkpoint_tensor(targets[name], name, checkpoint.get_tensor(name))

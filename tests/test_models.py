@@ -1,0 +1,460 @@
+"""Models and weight loading against Hugging Face transformers (CPU, float32).
+
+Each architecture variant is built as a tiny random transformers model, saved with
+``save_pretrained``, loaded with ``load_model``, and run through packed prefills, mixed
+prefill + decode steps and decode steps over a paged cache with shuffled block tables; every
+token's logits must equal transformers' within float32 rounding.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from model_harness import PagedKVHarness
+from neo.model_config import ModelConfig
+from neo.models import loader, tiny
+from neo.models.loader import load_model, resolve_model_config
+from neo.models.rotary import cos_sin_table
+from neo.tokenizer import Tokenizer, load_tokenizer
+
+BLOCK_SIZE = 8
+# Relative to the largest reference logit: float32 rounding differences between a fused and
+# an unfused computation stay below 1e-6 of it; a wrong weight, position or mask is > 1e-1.
+LOGIT_TOLERANCE = 1e-5
+
+_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=256, bos_token_id=1,
+               eos_token_id=2)
+_LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=32)
+VARIANTS = {
+    # Llama 2: multi-head attention, plain RoPE.
+    "llama2": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, **_COMMON)),
+    # Llama 3.1: GQA, rope_theta 500000, llama3 rope scaling (all three frequency bands).
+    "llama3.1": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_SCALING), **_COMMON)),
+    # Llama 3.2: tied embeddings, GQA 4:1, llama3 scaling with factor 32.
+    "llama3.2": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=112, hidden_size=128, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_SCALING, "factor": 32.0}, tie_word_embeddings=True, **_COMMON)),
+    # Qwen2: bias on q/k/v, GQA, rope_theta 1e6.
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(
+        vocab_size=120, hidden_size=96, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, rope_theta=1000000.0, **_COMMON)),
+    # Llama with attention_bias (q/k/v/o biases) and mlp_bias.
+    "llama-biases": (LlamaForCausalLM, LlamaConfig(
+        vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+        rope_theta=10000.0, **_COMMON)),
+}
+SHARDED = {"llama3.1", "qwen2"}
+
+# Prompts of different lengths (one exactly a block, one a single token) and the tokens fed
+# as decodes afterwards. Steps: (sequences prefilled, sequences decoded), in token order.
+PROMPT_LENGTHS = [5, 17, 1, 8]
+CONTINUATION_LENGTH = 4
+STEPS = [([0, 1, 2], []), ([3], [0, 1, 2]), ([], [0, 1, 2, 3]), ([], [0, 1, 2, 3]),
+         ([], [0, 1, 2, 3])]
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter of a transformers model random, non-trivial values.
+
+    Norm weights 1 +- 0.2 and biases ~ N(0, 0.2) (transformers initializes them to 1 and 0,
+    which would hide a misplaced norm or bias); linear weights ~ N(0, 1 / fan_in), larger for
+    query/key/LM head so attention and logits are not flat.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if "norm" in name:
+                uniform = torch.rand(parameter.shape, generator=generator) * 2 - 1
+                parameter.copy_(1 + 0.2 * uniform)
+            elif name.endswith("bias"):
+                parameter.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                parameter.copy_(noise)
+            else:
+                gain = 2.0 if any(key in name for key in ("q_proj", "k_proj", "lm_head")) else 1.0
+                parameter.copy_(noise * gain / math.sqrt(parameter.shape[1]))
+
+
+def save_variant(name: str, directory) -> torch.nn.Module:
+    """Build, randomize and save one variant; returns the transformers model (eval, float32)."""
+    model_class, config = VARIANTS[name]
+    torch.manual_seed(0)
+    hf_model = model_class(config).to(torch.float32).eval()
+    randomize(hf_model, seed=len(name))
+    shard_size = "40KB" if name in SHARDED else "50GB"
+    hf_model.save_pretrained(directory, max_shard_size=shard_size)
+    has_index = os.path.isfile(os.path.join(directory, loader.INDEX_FILE))
+    assert has_index == (name in SHARDED), "the save did not produce the intended layout"
+    return hf_model
+
+
+def reference_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 logits ``[len, vocab]`` of every position of each sequence."""
+    with torch.no_grad():
+        return [hf_model(torch.tensor([tokens])).logits[0].float() for tokens in sequences]
+
+
+def make_sequences(vocab_size: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab_size, (length,), generator=generator).tolist()
+               for length in PROMPT_LENGTHS]
+    continuations = [torch.randint(vocab_size, (CONTINUATION_LENGTH,), generator=generator).tolist()
+                     for _ in PROMPT_LENGTHS]
+    return prompts, continuations
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape, what
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= LOGIT_TOLERANCE * scale, (
+        f"{what}: max |logit difference| {error:.3g} exceeds {LOGIT_TOLERANCE} x {scale:.3g}")
+
+
+def run_schedule(model, hf_model, *, steps=STEPS, host_sequences=(), seed=0) -> None:
+    """Run ``steps`` through neo and compare every token's logits with transformers'.
+
+    Sequences in ``host_sequences`` live in the host cache: prefilled with their K/V
+    offloaded, decoded as CPU decodes (stage by stage, like the pipeline).
+    """
+    prompts, continuations = make_sequences(model.config.vocab_size, seed)
+    full = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
+    expected_by_sequence = reference_logits(hf_model, full)
+    harness = PagedKVHarness(model.config, num_blocks=40, block_size=BLOCK_SIZE,
+                             dtype=torch.float32, seed=seed)
+    fed = {}
+    for step, (prefilled, decoded) in enumerate(steps):
+        prefills = [(i, "host" if i in host_sequences else "device", prompts[i]) for i in prefilled]
+        gpu_decodes = [(i, full[i][fed[i]]) for i in decoded if i not in host_sequences]
+        cpu_decodes = [(i, full[i][fed[i]]) for i in decoded if i in host_sequences]
+        expected = [expected_by_sequence[i][:len(prompts[i])] for i in prefilled]
+        expected += [expected_by_sequence[i][fed[i]:fed[i] + 1]
+                     for i, _ in gpu_decodes + cpu_decodes]
+        for i in prefilled:
+            fed[i] = len(prompts[i])
+        for i in decoded:
+            fed[i] += 1
+        logits = harness.run(model, prefills, gpu_decodes, cpu_decodes)
+        assert_logits_close(logits, torch.cat(expected), f"step {step}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(variant, tmp_path):
+    hf_model = save_variant(variant, tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert model.config.architecture == type(hf_model).__name__
+    run_schedule(model, hf_model)
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    save_variant("llama3.2", tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert model.lm_head_weight is model.embed_tokens_weight
+
+
+def test_cpu_decode_rows_are_left_to_the_caller(tmp_path):
+    """Offloaded prefills and CPU decodes, run stage by stage, still match transformers."""
+    hf_model = save_variant("llama3.1", tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    run_schedule(model, hf_model, host_sequences={1, 3}, seed=1)
+
+
+def test_forward_refuses_cpu_decodes(tmp_path):
+    save_variant("llama2", tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    harness = PagedKVHarness(model.config, num_blocks=8, block_size=BLOCK_SIZE,
+                             dtype=torch.float32)
+    harness.run(model, [(0, "host", [3, 4, 5])], [])
+    input_ids, meta = harness.build_step([], [], [(0, 6)])
+    with pytest.raises(ValueError, match="1 CPU decodes"):
+        model(input_ids, meta, harness.kv_caches())
+
+
+def test_neo_tiny_matches_transformers(tmp_path):
+    tiny.save_tiny(str(tmp_path))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+    for source in (tiny.TINY_NAME, str(tmp_path)):
+        model = load_model(source, dtype=torch.float32, device="cpu")
+        run_schedule(model, hf_model, seed=2)
+
+
+# Sums of neo-tiny's generated weights, recorded once: they must not depend on the machine or
+# the torch version.
+TINY_CHECKSUMS = {"model.embed_tokens.weight": -34.146224,
+                  "model.layers.0.self_attn.q_proj.weight": -15.294827,
+                  "model.layers.3.mlp.down_proj.weight": 3.931707,
+                  "model.norm.weight": 257.258902,
+                  "lm_head.weight": -86.256433}
+
+
+def test_neo_tiny_weights_are_fixed():
+    checkpoint = tiny.tiny_checkpoint()
+    for name, expected in TINY_CHECKSUMS.items():
+        assert checkpoint[name].dtype == torch.float32
+        assert checkpoint[name].double().sum().item() == pytest.approx(expected, abs=2e-6), name
+
+
+def test_neo_tiny_greedy_output_varies():
+    """Greedy decoding from the random weights neither stops nor repeats one token."""
+    model = load_model(tiny.TINY_NAME, dtype=torch.float32, device="cpu")
+    harness = PagedKVHarness(model.config, num_blocks=16, block_size=16, dtype=torch.float32)
+    prompt = load_tokenizer(tiny.TINY_NAME).encode("neo serves tokens")
+    token = harness.run(model, [(0, "device", prompt)], [])[-1].argmax().item()
+    generated = [token]
+    for _ in range(31):
+        token = harness.run(model, [], [(0, token)])[-1].argmax().item()
+        generated.append(token)
+    assert len(set(generated)) >= 8, generated
+
+
+def test_rotary_table_matches_transformers():
+    for name in ("llama2", "llama3.1", "llama3.2"):
+        hf_config = VARIANTS[name][1]
+        config = ModelConfig.from_hf_config(hf_config.to_dict() | {
+            "architectures": ["LlamaForCausalLM"]})
+        rotary = LlamaRotaryEmbedding(hf_config)
+        positions = torch.arange(hf_config.max_position_embeddings)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        table = cos_sin_table(config, hf_config.max_position_embeddings)
+        half = config.head_dim // 2
+        torch.testing.assert_close(table[:, :half], cos[0, :, :half], rtol=0, atol=0)
+        torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=0)
+
+
+def test_max_positions_caps_the_rotary_table():
+    model = load_model(tiny.TINY_NAME, dtype=torch.float32, device="cpu", max_positions=100)
+    assert model.max_positions == 100
+    assert model.rotary.cos_sin_cache.shape == (100, model.config.head_dim)
+    assert model.rotary.cos_sin_cache.dtype == torch.float32
+    full = load_model(tiny.TINY_NAME, dtype=torch.float32, device="cpu", max_positions=10**6)
+    assert full.max_positions == tiny.tiny_config().max_position_embeddings
+
+
+# Configs ---------------------------------------------------------------------------------------
+
+def test_rope_parameters_format_equals_rope_scaling_format():
+    legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rope_theta": 500000.0,
+              "rope_scaling": dict(_LLAMA3_SCALING)}
+    current = {key: value for key, value in legacy.items() if not key.startswith("rope_")}
+    current["rope_parameters"] = {**_LLAMA3_SCALING, "rope_theta": 500000.0}
+    assert ModelConfig.from_hf_config(legacy) == ModelConfig.from_hf_config(current)
+    plain = dict(current, rope_parameters={"rope_type": "default", "rope_theta": 7.0})
+    config = ModelConfig.from_hf_config(plain)
+    assert config.rope_theta == 7.0 and config.rope_scaling is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
+])
+def test_config_errors(bad, message):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(config | bad)
+
+
+PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "llama-2-7b": 6.74e9,
+                        "qwen2.5-32b": 32.76e9}
+
+
+def test_shipped_configs():
+    assert loader.builtin_config_names() == sorted(PUBLISHED_PARAMETERS)
+    llama8b = resolve_model_config("Llama-3.1-8B")
+    assert (llama8b.hidden_size, llama8b.num_layers, llama8b.num_heads, llama8b.num_kv_heads,
+            llama8b.intermediate_size, llama8b.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    assert llama8b.rope_theta == 500000.0 and llama8b.rope_scaling["factor"] == 8.0
+    assert llama8b.dtype == torch.bfloat16 and llama8b.eos_token_ids == (128001,)
+    qwen = resolve_model_config("qwen2.5-32b", dtype="float16")
+    assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.dtype == torch.float16
+    assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads,
+            qwen.head_dim, qwen.vocab_size) == (5120, 64, 40, 8, 128, 152064)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_dummy_load_of_shipped_config_on_meta(name):
+    model = load_model(name, dtype=torch.bfloat16, device="meta", load_format="dummy")
+    config = model.config
+    count = sum(parameter.numel() for parameter in model.parameters())
+    assert count == pytest.approx(PUBLISHED_PARAMETERS[name], rel=2e-3)
+    layer = model.layers[0]
+    assert layer.qkv_proj_weight.shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
+    assert layer.gate_up_proj_weight.shape == (2 * config.intermediate_size, config.hidden_size)
+    assert (layer.qkv_proj_bias is not None) == config.qkv_bias
+    assert all(parameter.dtype == torch.bfloat16 and parameter.is_meta
+               for parameter in model.parameters())
+
+
+def test_dummy_load_is_seeded_and_runs(tmp_path):
+    """A scaled-down Llama-3.1-8B config: real code path, small shapes."""
+    text = loader.resources.files("neo.model_configs").joinpath("llama-3.1-8b.json").read_text()
+    config = json.loads(text) | {"num_hidden_layers": 2, "hidden_size": 256,
+                                 "intermediate_size": 512, "num_attention_heads": 8,
+                                 "num_key_value_heads": 2, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    load = lambda seed: load_model(str(tmp_path), dtype=torch.bfloat16, device="cpu",  # noqa: E731
+                                   load_format="dummy", seed=seed, max_positions=512)
+    first, again, other = load(3), load(3), load(4)
+    for (name, a), b, c in zip(first.named_parameters(), again.parameters(), other.parameters()):
+        assert torch.equal(a, b), name
+        if name.endswith("norm_weight"):
+            assert bool((a == 1).all()), name
+        else:
+            assert a.abs().max() <= 1e-3 and a.std() > 1e-4 and not torch.equal(a, c), name
+    harness = PagedKVHarness(first.config, num_blocks=8, block_size=BLOCK_SIZE,
+                             dtype=torch.bfloat16)
+    logits = harness.run(first, [(0, "device", [1, 2, 3, 4, 5])], [])
+    assert logits.shape == (5, 1000) and bool(logits.isfinite().all())
+    logits = harness.run(first, [], [(0, 6)])
+    assert logits.shape == (1, 1000) and bool(logits.isfinite().all())
+
+
+# Loader errors ---------------------------------------------------------------------------------
+
+def test_unknown_model_lists_builtin_names():
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'.*neo-tiny.*llama-3.1-8b"):
+        resolve_model_config("no-such-model")
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model("no-such-model", dtype=torch.float32, device="cpu")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+
+
+def test_builtin_config_needs_dummy_format():
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        load_model("llama-3.1-8b", dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="built-in weights"):
+        load_model(tiny.TINY_NAME, dtype=torch.float32, device="cpu", load_format="safetensors")
+    with pytest.raises(ValueError, match="unknown load_format 'pt'"):
+        load_model(tiny.TINY_NAME, dtype=torch.float32, device="cpu", load_format="pt")
+
+
+def test_directory_without_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_hf_config()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors.*pytorch_model.bin"):
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    save_variant("qwen2", tmp_path)
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+
+
+def _rewrite_checkpoint(directory, edit) -> None:
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_unexpected_and_misshapen_tensors(tmp_path):
+    tiny.save_tiny(str(tmp_path))
+    load = lambda: load_model(str(tmp_path), dtype=torch.float32, device="cpu")  # noqa: E731
+    name = "model.layers.2.self_attn.k_proj.weight"
+    _rewrite_checkpoint(tmp_path, lambda tensors: tensors.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensors: {name}"):
+        load()
+    _rewrite_checkpoint(tmp_path, lambda tensors: tensors.update(
+        {name: torch.zeros(64, 256), "model.layers.9.mlp.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="unexpected tensors: model.layers.9.mlp.extra.weight"):
+        load()
+    _rewrite_checkpoint(tmp_path, lambda tensors: tensors.pop("model.layers.9.mlp.extra.weight"))
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    tensors[name] = torch.zeros(32, 256)
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{name} has shape \\(32, 256\\).*\\(64, 256\\)"):
+        load()
+
+
+def test_checkpoint_dtype_is_converted(tmp_path):
+    """A bfloat16 checkpoint loads into a float32 model exactly (and rotary stays float32)."""
+    tiny.save_tiny(str(tmp_path))
+    _rewrite_checkpoint(tmp_path, lambda tensors: tensors.update(
+        {name: tensor.to(torch.bfloat16) for name, tensor in tensors.items()}))
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    expected = tiny.tiny_checkpoint()["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16)
+    intermediate = model.config.intermediate_size
+    assert torch.equal(model.layers[1].gate_up_proj_weight[intermediate:], expected.float())
+    assert model.rotary.cos_sin_cache.dtype == torch.float32
+
+
+# Tokenizer -------------------------------------------------------------------------------------
+
+def test_tiny_tokenizer_is_byte_level():
+    tokenizer = load_tokenizer(tiny.TINY_NAME)
+    text = "héllo wörld ✓\n\ttabs"
+    ids = tokenizer.encode(text)
+    assert ids == [tokenizer.bos_token_id] + list(text.encode())
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.bos_token_id == 256 and tokenizer.eos_token_ids == (257,)
+    assert tokenizer.vocab_size == tiny.tiny_config().vocab_size
+    assert tokenizer.decode([72, 105, 257, 300]) == "Hi"
+
+
+def test_saved_tokenizer_matches_builtin_and_transformers(tmp_path):
+    tiny.save_tiny(str(tmp_path))
+    builtin, saved = load_tokenizer(tiny.TINY_NAME), load_tokenizer(str(tmp_path))
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("plain ascii", "ünïcödé 日本", " leading space", ""):
+        assert saved.encode(text) == builtin.encode(text) == hf_tokenizer(text)["input_ids"]
+    assert saved.eos_token_ids == builtin.eos_token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert saved.apply_chat_template(messages) == hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert builtin.apply_chat_template(messages) == "<|begin_of_text|>user: hi\nassistant: "
+
+
+def test_tokenizer_special_tokens_from_directory(tmp_path):
+    tiny.save_tiny(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 258]}))
+    tokenizer_config = tiny.tiny_tokenizer_config()
+    del tokenizer_config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.eos_token_ids == (257, 258)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(messages) == "system: be brief\nuser: hi\nassistant: "
+
+
+def test_models_without_tokenizer(tmp_path):
+    assert load_tokenizer("llama-3.1-8b") is None
+    (tmp_path / "config.json").write_text(json.dumps(tiny.tiny_hf_config()))
+    assert load_tokenizer(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="unknown model"):
+        load_tokenizer(str(tmp_path / "absent"))
+    assert isinstance(load_tokenizer(tiny.TINY_NAME), Tokenizer)
