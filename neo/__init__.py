@@ -2,3 +2,10 @@
 the host CPU so a memory-bound GPU can run larger batches."""
 
 from . import ops  # noqa: F401  (declares torch.ops.neo)
+from .config import EngineConfig
+from .engine import LLMEngine
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -29,8 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--cpu-attention-threads", type=int, default=None)
     group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false")
-    group.add_argument("--perf-model", dest="perf_model_path", default=None,
-                       help="profiled stage-time table (JSON) for the load-aware scheduler")
+    group.add_argument("--perf-model", default=defaults.perf_model,
+                       help="stage-time table for the load-aware scheduler: auto (profile of this "
+                            "machine, made on first use), zero, or a JSON path")
     group.add_argument("--trace", dest="trace_path", default=None,
                        help="write a per-iteration trace (JSON) here")
     group.add_argument("--seed", type=int, default=defaults.seed)

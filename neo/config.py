@@ -23,6 +23,9 @@ class EngineConfig:
         of the free device memory (on a CPU device: 1 GiB).
     cpu_kv_cache_gib: size of the host KV pool (pinned when CUDA is used).
     cpu_attention_threads: threads for host decode attention; None = all cores but one.
+    perf_model: stage-time table for the load-aware scheduler: "auto" (this machine's profile
+        from the cache, profiled on first use), "zero" (predicts zero: tests), or a JSON path.
+    trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
     """
 
     model: str = "neo-tiny"
@@ -39,7 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
-    perf_model_path: str | None = None
+    perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0
 

@@ -18,6 +18,8 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
+from .offload_scheduler import OffloadScheduler
+from .profiler import load_perf_model
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
 
@@ -55,10 +57,14 @@ class LLMEngine:
         self.kv_cache = KVCache(self.layout, self.device)
         self.block_manager = BlockManager(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks,
                                           config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.worker = None
-        if config.policy != "gpu-only":
+        if config.policy == "gpu-only":
+            self.scheduler = Scheduler(config, self.block_manager)
+        else:
             self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+            self.perf_model = load_perf_model(config, self)
+            self.scheduler = OffloadScheduler(config, self.block_manager, self.perf_model,
+                                              self.model_config.num_layers)
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
                                     max_offload_tokens=config.max_num_batched_tokens)
@@ -96,6 +102,8 @@ class LLMEngine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.config.model!r} has no tokenizer.json: pass prompts "
                                  f"as lists of token ids")
@@ -138,12 +146,12 @@ class LLMEngine:
             blocks = max(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks)
         return blocks * self.config.block_size
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request; its blocks are free when this returns. False if it is unknown/done."""
         request = self._requests.pop(str(request_id), None)
         if request is None or request.is_finished:
             return False
-        self.scheduler.abort(request)
+        self.scheduler.abort(request, reason)
         request.finish_time = time.monotonic()
         self.metrics.requests_aborted += 1
         return True
@@ -160,10 +168,22 @@ class LLMEngine:
         if plan.is_empty:
             return []
         start = time.perf_counter()
-        tokens = self.runner.execute(plan)
+        try:
+            tokens = self.runner.execute(plan)
+        except BaseException:
+            self._fail(plan)
+            raise
         self.metrics.busy_seconds += time.perf_counter() - start
         self._count(plan)
         return self._postprocess(plan, tokens)
+
+    def _fail(self, plan: SchedulerOutput) -> None:
+        """The iteration raised: end its requests (their KV may be half written) and give their
+        blocks back; every other request carries on."""
+        for request in plan.requests:
+            if not request.is_finished:
+                logger.error("request %s ended: its iteration failed", request.request_id)
+                self.abort_request(request.request_id, reason="error")
 
     def _count(self, plan: SchedulerOutput) -> None:
         metrics = self.metrics

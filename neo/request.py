@@ -41,6 +41,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.last_scheduled_iteration = 0  # the scheduler's fairness clock for host decodes
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()

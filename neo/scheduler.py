@@ -36,11 +36,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: Request, reason: str = "abort") -> None:
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
-        self.finish(request, "abort")
+        self.finish(request, reason)
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and return its blocks; the caller has removed it from the queues."""

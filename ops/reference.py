@@ -28,12 +28,13 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
         paged = cache[blocks].float()  # [S, nb, KVH, BS, D]
         return paged.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
 
-    keys, values = gather(k_cache), gather(v_cache)
+    positions = torch.arange(num_blocks * block_size, device=q.device)
+    beyond = (positions.view(1, 1, -1, 1) >= lengths.view(-1, 1, 1, 1))  # [S, 1, t, 1]
+    # Slots past a sequence's length may hold anything (even NaN): zero them before use.
+    keys, values = (gather(cache).masked_fill(beyond, 0.0) for cache in (k_cache, v_cache))
     queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,sktd->skgt", queries, keys) * scale
-    positions = torch.arange(keys.shape[2], device=q.device)
-    mask = positions.view(1, 1, 1, -1) >= lengths.view(-1, 1, 1, 1)
-    probabilities = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    probabilities = scores.masked_fill(beyond.view(num_seqs, 1, 1, -1), float("-inf")).softmax(dim=-1)
     result = torch.einsum("skgt,sktd->skgd", probabilities, values)
     out.copy_(result.reshape(num_seqs, num_heads, head_dim))
 

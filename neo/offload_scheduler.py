@@ -1,0 +1,278 @@
+"""``OffloadScheduler``: the load-aware scheduler of the ``neo`` and ``full-offload`` policies.
+
+Each prefilled request lives wholly in the GPU pool or wholly in the host pool; new requests
+go to the GPU pool while it has room, the overflow to the host pool. Each iteration:
+
+1. Every running request gets a slot for its next token; when GPU blocks run out the newest GPU
+   requests move to the host pool, when host blocks run out the newest host requests give
+   their blocks back and wait to be prefilled again.
+2. Waiting requests are prefilled (on the GPU; a host-bound prompt's KV is copied out layer by
+   layer) within the token budget, into the GPU pool if it has room, else the host pool.
+3. While the GPU pool has room, host requests move back to it, oldest first.
+4. Host decodes are placed into the two sub-batches::
+
+       batch 0: prefills + GPU decodes (+ a few host decodes)
+       batch 1: host decodes
+
+   Per layer the pipeline overlaps GPU work of one sub-batch with host attention of the other
+   (see ``executor.py``), so with per-layer stage times from the ``PerfModel`` an iteration
+   takes ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))`` plus the pipeline overhead.
+   The ``neo`` policy admits a host decode only while the host attention stays hidden
+   (``cpu(1) <= lin(0) + gpu(0)`` and ``cpu(0) <= lin(1)``), then compares this two-sub-batch
+   plan with the GPU-only plan (batch 0 without host decodes) by estimated tokens per second
+   and keeps the better. A host request left out ``max_host_wait`` iterations in a row is
+   admitted regardless, so host requests never starve.
+   ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
+   between the sub-batches to balance them.
+"""
+
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .perf_model import PerfModel
+from .request import KVLocation, Request, RequestStatus
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput, SubBatch
+
+GPU, CPU = KVLocation.GPU, KVLocation.CPU
+
+
+@dataclass
+class _Placement:
+    """Host decodes placed so far in each sub-batch, with their context tokens."""
+
+    batch0: list[Request] = field(default_factory=list)
+    batch1: list[Request] = field(default_factory=list)
+    context0: int = 0
+    context1: int = 0
+
+    def sizes(self, add_to: int | None = None, tokens: int = 0) -> tuple[int, int, int, int]:
+        """(requests0, context0, requests1, context1), optionally with one more request."""
+        requests0, context0 = len(self.batch0), self.context0
+        requests1, context1 = len(self.batch1), self.context1
+        if add_to == 0:
+            requests0, context0 = requests0 + 1, context0 + tokens
+        elif add_to == 1:
+            requests1, context1 = requests1 + 1, context1 + tokens
+        return requests0, context0, requests1, context1
+
+    def add(self, side: int, request: Request) -> None:
+        if side == 0:
+            self.batch0.append(request)
+            self.context0 += request.num_tokens
+        else:
+            self.batch1.append(request)
+            self.context1 += request.num_tokens
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.batch0 + self.batch1
+
+
+class OffloadScheduler(Scheduler):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, perf_model: PerfModel,
+                 num_layers: int, max_host_wait: int = 4):
+        super().__init__(config, block_manager)
+        self.perf_model = perf_model
+        self.num_layers = num_layers
+        self.max_host_wait = max_host_wait
+        self.full_offload = config.policy == "full-offload"
+        self.iteration = 0
+
+    def schedule(self) -> SchedulerOutput:
+        self.iteration += 1
+        output = SchedulerOutput()
+        batch0 = SubBatch()
+        host_requests = self._make_decode_slots(batch0, output)
+        self._admit_prefills_to_pools(batch0, budget=self.config.max_num_batched_tokens
+                                      - len(batch0.gpu_decodes) - len(host_requests))
+        if not self.full_offload:
+            host_requests = self._move_to_gpu(host_requests, batch0, output)
+        batch1 = self._place_host_decodes(batch0, host_requests)
+        output.sub_batches = [batch for batch in (batch0, batch1) if batch]
+        output.predicted_time = self.predicted_time(output)
+        for request in output.requests:
+            request.last_scheduled_iteration = self.iteration
+        return output
+
+    # -- 1. decode slots ------------------------------------------------------------------------
+
+    def _make_decode_slots(self, batch0: SubBatch, output: SchedulerOutput) -> list[Request]:
+        """Slots for every running request's next token, GPU pool first. GPU requests go into
+        ``batch0``; returns the host requests that got a slot (GPU requests evicted just now
+        among them), oldest first."""
+        gpu_queue = [r for r in self.running if r.location is GPU]
+        while gpu_queue:
+            request = gpu_queue.pop(0)
+            if self._make_slot(request, gpu_queue, output):
+                batch0.gpu_decodes.append(request)
+        host_queue = [r for r in self.running if r.location is CPU]
+        ready = []
+        while host_queue:
+            request = host_queue.pop(0)
+            if self._make_slot(request, host_queue, output):
+                ready.append(request)
+        return ready
+
+    def _make_slot(self, request: Request, queue: list[Request], output: SchedulerOutput) -> bool:
+        """Room for ``request``'s next token in its pool. While the pool is full, evict the newest
+        request of ``queue`` (``request`` itself when none is left). True if it got the slot."""
+        manager = self.block_manager
+        while manager.needs_new_block(request) and manager.num_free(request.location) == 0:
+            victim = queue.pop() if queue else request
+            self._evict(victim, output)
+            if victim is request:
+                return False
+        manager.append_slot(request)
+        return True
+
+    def _evict(self, request: Request, output: SchedulerOutput) -> None:
+        """A GPU request moves to the host pool if it has room; otherwise the request gives its
+        blocks back to be prefilled again, or ends if no pool could ever hold it."""
+        manager = self.block_manager
+        if request.location is GPU and manager.can_move(request, CPU, reserve=1):
+            output.swap_out += manager.move(request, CPU)
+            return
+        largest_pool = max(manager.num_total(CPU), 0 if self.full_offload else manager.num_total(GPU))
+        if len(request.block_table) + 1 > largest_pool:
+            self.running.remove(request)
+            self.finish(request, "length")
+            output.finished.append(request)
+            return
+        self._recompute_later(request)
+
+    def _recompute_later(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # -- 2. prefills ---------------------------------------------------------------------------
+
+    def _admit_prefills_to_pools(self, batch0: SubBatch, budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_tokens > budget:
+                break
+            if not self.full_offload and manager.can_allocate(request.num_tokens, GPU,
+                                                              reserve=self.watermark_blocks):
+                location = GPU
+            elif manager.can_allocate(request.num_tokens + 1, CPU):
+                location = CPU
+            else:
+                break
+            self.waiting.popleft()
+            manager.allocate(request, location)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch0.prefills.append(request)
+            budget -= request.num_tokens
+
+    # -- 3. host -> GPU ------------------------------------------------------------------------
+
+    def _move_to_gpu(self, host_requests: list[Request], batch0: SubBatch,
+                     output: SchedulerOutput) -> list[Request]:
+        """Move host requests (oldest first, slots already made) to the GPU pool while it has
+        room; they decode there this iteration. Returns those left on the host."""
+        manager = self.block_manager
+        for index, request in enumerate(host_requests):
+            if not manager.can_move(request, GPU, reserve=self.watermark_blocks):
+                return host_requests[index:]
+            output.swap_in += manager.move(request, GPU)
+            batch0.gpu_decodes.append(request)
+        return []
+
+    # -- 4. host decodes -----------------------------------------------------------------------
+
+    def _place_host_decodes(self, batch0: SubBatch, host_requests: list[Request]) -> SubBatch:
+        batch1 = SubBatch()
+        if not host_requests:
+            return batch1
+        placement = _Placement()
+        # With no GPU work the GPU would idle anyway: every host request decodes.
+        admit_all = self.full_offload or not batch0
+        for request in sorted(host_requests, key=lambda r: r.last_scheduled_iteration):
+            self._place(batch0, placement, request, forced=admit_all or self._starving(request))
+        if not self.full_offload and not self._two_batches_pay(batch0, placement):
+            placement = _Placement()
+            for request in filter(self._starving, host_requests):
+                placement.add(1, request)
+        batch0.cpu_decodes.extend(placement.batch0)
+        batch1.cpu_decodes.extend(placement.batch1)
+        return batch1
+
+    def _starving(self, request: Request) -> bool:
+        return self.iteration - request.last_scheduled_iteration > self.max_host_wait
+
+    def _place(self, batch0: SubBatch, placement: _Placement, request: Request, forced: bool) -> None:
+        """Put one host decode in the sub-batch where the estimated iteration time grows least,
+        among those where host attention stays hidden (any, when forced)."""
+        best = None
+        for side in (1, 0):
+            sizes = placement.sizes(add_to=side, tokens=request.num_tokens)
+            if not forced and not self._host_attention_hidden(batch0, *sizes):
+                continue
+            # Ties (e.g. a zero perf model) keep about a third of the host decodes in batch 0.
+            balance = 0 if (side == 1) == (2 * len(placement.batch0) >= len(placement.batch1)) else 1
+            candidate = (self._two_batch_time(batch0, *sizes), balance, side)
+            best = candidate if best is None or candidate < best else best
+        if best is not None:
+            placement.add(best[2], request)
+
+    # -- estimates (whole-model seconds) -------------------------------------------------------
+
+    def _gpu_times(self, batch0: SubBatch, requests0: int, requests1: int) -> tuple[float, float, float]:
+        """(linear time of batch 0, GPU attention time of batch 0, linear time of batch 1)."""
+        model = self.perf_model
+        linear0 = model.linear(batch0.num_prefill_tokens + len(batch0.gpu_decodes) + requests0)
+        gpu_attention0 = (model.gpu_attention(sum(r.num_tokens for r in batch0.gpu_decodes))
+                          + model.prefill_attention([r.num_tokens for r in batch0.prefills]))
+        return linear0, gpu_attention0, model.linear(requests1)
+
+    def _host_attention_hidden(self, batch0: SubBatch, requests0: int, context0: int,
+                               requests1: int, context1: int) -> bool:
+        linear0, gpu_attention0, linear1 = self._gpu_times(batch0, requests0, requests1)
+        model = self.perf_model
+        return (model.cpu_attention(requests1, context1) <= linear0 + gpu_attention0
+                and model.cpu_attention(requests0, context0) <= linear1)
+
+    def _two_batch_time(self, batch0: SubBatch, requests0: int, context0: int,
+                        requests1: int, context1: int) -> float:
+        linear0, gpu_attention0, linear1 = self._gpu_times(batch0, requests0, requests1)
+        model = self.perf_model
+        return (max(linear1, model.cpu_attention(requests0, context0))
+                + max(linear0 + gpu_attention0, model.cpu_attention(requests1, context1))
+                + model.pipeline_overhead + model.iteration_overhead)
+
+    def _sequential_time(self, batch: SubBatch) -> float:
+        """One sub-batch: its host attention (if any) does not overlap GPU work."""
+        linear, gpu_attention, _ = self._gpu_times(batch, len(batch.cpu_decodes), 0)
+        host = self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+        return linear + gpu_attention + host + self.perf_model.iteration_overhead
+
+    def _two_batches_pay(self, batch0: SubBatch, placement: _Placement) -> bool:
+        extra = len(placement.requests)
+        if extra == 0:
+            return False
+        base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
+        if base_tokens == 0:
+            return True
+        epsilon = 1e-9
+        two = (base_tokens + extra) / (self._two_batch_time(batch0, *placement.sizes()) + epsilon)
+        one = base_tokens / (self._sequential_time(batch0) + epsilon)
+        return two >= one
+
+    def predicted_time(self, plan: SchedulerOutput) -> float:
+        """Estimated seconds of a plan."""
+        if len(plan.sub_batches) == 2:
+            batch0, batch1 = plan.sub_batches
+            context0 = sum(r.num_tokens for r in batch0.cpu_decodes)
+            context1 = sum(r.num_tokens for r in batch1.cpu_decodes)
+            return self._two_batch_time(batch0, len(batch0.cpu_decodes), context0,
+                                        len(batch1.cpu_decodes), context1)
+        return self._sequential_time(plan.sub_batches[0]) if plan.sub_batches else 0.0

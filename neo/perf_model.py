@@ -1,0 +1,101 @@
+"""``PerfModel``: stage times of this machine, by linear interpolation in profiled tables.
+
+Every time is for the whole model (all layers) and in seconds. Tables (from ``neo profile``):
+
+- ``linear``: GPU time of the pre/post-attention stages vs tokens in the sub-batch.
+- ``gpu_attention``: GPU decode-attention time vs context tokens of the GPU decodes.
+- ``prefill_attention``: GPU prefill-attention time vs prompt length (one prompt).
+- ``cpu_attention``: host decode-attention time vs (requests, context tokens), bilinear.
+- ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
+  (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration.
+
+``PerfModel.zero()`` predicts zero for everything (for tests: the scheduler then admits all
+host decodes and prefers the plan with more tokens).
+"""
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through the points; linear extrapolation beyond the ends."""
+    if not xs:
+        return 0.0
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0]) if xs[0] else ys[0]
+    index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class PerfTable:
+    """The profiled tables and what they were measured on."""
+
+    key: dict = field(default_factory=dict)  # model shape, dtype, device, threads
+    linear_tokens: list[float] = field(default_factory=list)
+    linear_seconds: list[float] = field(default_factory=list)
+    gpu_attention_tokens: list[float] = field(default_factory=list)
+    gpu_attention_seconds: list[float] = field(default_factory=list)
+    prefill_lengths: list[float] = field(default_factory=list)
+    prefill_seconds: list[float] = field(default_factory=list)
+    cpu_attention_requests: list[float] = field(default_factory=list)
+    cpu_attention_tokens: list[float] = field(default_factory=list)
+    cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][tokens]
+    pipeline_overhead: float = 0.0
+    iteration_overhead: float = 0.0
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as file:
+            json.dump(asdict(self), file, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "PerfTable":
+        with open(path) as file:
+            return cls(**json.load(file))
+
+
+class PerfModel:
+    """Predicts stage times from a ``PerfTable``."""
+
+    def __init__(self, table: PerfTable):
+        self.table = table
+
+    @classmethod
+    def zero(cls) -> "PerfModel":
+        return cls(PerfTable())
+
+    @property
+    def is_zero(self) -> bool:
+        return not self.table.linear_tokens
+
+    def linear(self, num_tokens: int) -> float:
+        if num_tokens == 0:
+            return 0.0
+        return interpolate(self.table.linear_tokens, self.table.linear_seconds, num_tokens)
+
+    def gpu_attention(self, context_tokens: int) -> float:
+        if context_tokens == 0:
+            return 0.0
+        return interpolate(self.table.gpu_attention_tokens, self.table.gpu_attention_seconds, context_tokens)
+
+    def prefill_attention(self, prompt_lengths: list[int]) -> float:
+        return sum(interpolate(self.table.prefill_lengths, self.table.prefill_seconds, length)
+                   for length in prompt_lengths)
+
+    def cpu_attention(self, num_requests: int, context_tokens: int) -> float:
+        table = self.table
+        if num_requests == 0 or not table.cpu_attention_requests:
+            return 0.0
+        per_row = [interpolate(table.cpu_attention_tokens, row, context_tokens)
+                   for row in table.cpu_attention_seconds]
+        return interpolate(table.cpu_attention_requests, per_row, num_requests)
+
+    @property
+    def pipeline_overhead(self) -> float:
+        return self.table.pipeline_overhead
+
+    @property
+    def iteration_overhead(self) -> float:
+        return self.table.iteration_overhead

@@ -1,0 +1,320 @@
+"""``neo profile``: measure this machine's stage times into a ``PerfTable``.
+
+Measured with the engine's own model, KV pools, kernels and host worker:
+
+- linear: pre- and post-attention stages of every layer for a sub-batch of T decode tokens;
+- gpu_attention: paged decode attention over the GPU pool vs context tokens;
+- prefill_attention: prefill attention of one prompt vs its length;
+- cpu_attention: host K/V store + decode attention on the worker thread vs (requests, tokens);
+- pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
+  what the tables above predict for them (launches, hand-offs, copies, input preparation).
+
+The table is keyed by model shape, dtype, device, block size and host threads, and cached
+under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from .attention_metadata import AttentionMetadata
+from .config import EngineConfig
+from .perf_model import PerfModel, PerfTable
+from .request import KVLocation, Request
+from .sampling_params import SamplingParams
+from .scheduler_output import SchedulerOutput, SubBatch
+
+logger = logging.getLogger(__name__)
+
+
+def cache_directory() -> str:
+    root = os.environ.get("NEO_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "neo")
+    return os.path.join(root, "perf")
+
+
+def table_key(engine) -> dict:
+    model = engine.model_config
+    device = engine.device
+    return {
+        "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
+                        model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "block_size": engine.config.block_size,
+        "cpu_threads": engine.worker.num_threads if engine.worker else 0,
+    }
+
+
+def default_table_path(engine) -> str:
+    digest = hashlib.sha256(json.dumps(table_key(engine), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_directory(), f"{digest}.json")
+
+
+def load_perf_model(config: EngineConfig, engine) -> PerfModel:
+    """The perf model the engine's scheduler uses (see ``EngineConfig.perf_model``)."""
+    if config.perf_model == "zero":
+        return PerfModel.zero()
+    if config.perf_model != "auto":
+        table = PerfTable.load(config.perf_model)
+        if table.key != table_key(engine):
+            logger.warning("perf model %s was measured for %s, not for this engine (%s)",
+                           config.perf_model, table.key, table_key(engine))
+        return PerfModel(table)
+    path = default_table_path(engine)
+    if os.path.exists(path):
+        return PerfModel(PerfTable.load(path))
+    logger.warning("no perf model for this machine yet: profiling (once; cached in %s)", path)
+    table = Profiler(engine).run()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    table.save(path)
+    return PerfModel(table)
+
+
+def profile_to_file(config: EngineConfig, path: str | None) -> str:
+    """``neo profile``: build an engine, measure, write the table; returns its path."""
+    from .engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**{**config.__dict__, "perf_model": "zero",
+                                       "policy": "neo" if config.policy == "gpu-only" else config.policy}))
+    try:
+        table = Profiler(engine).run()
+        path = path or default_table_path(engine)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        table.save(path)
+    finally:
+        engine.close()
+    return path
+
+
+def _geometric(low: int, high: int, factor: float = 2.0) -> list[int]:
+    points, value = [], low
+    while value < high:
+        points.append(int(value))
+        value *= factor
+    points.append(high)
+    return sorted(set(points))
+
+
+class Profiler:
+    """Measures stage times on an engine whose pools are empty."""
+
+    def __init__(self, engine, repeats: int = 3):
+        self.engine = engine
+        self.model = engine.model
+        self.device = engine.device
+        self.repeats = repeats
+        self.config = engine.config
+        self.model_config = engine.model_config
+        self.rng = random.Random(0)
+
+    def run(self) -> PerfTable:
+        table = PerfTable(key=table_key(self.engine))
+        max_tokens = self.config.max_num_batched_tokens
+        token_points = _geometric(1, max_tokens)
+        gpu_capacity = self.engine.layout.num_gpu_blocks * self.config.block_size
+        cpu_capacity = self.engine.layout.num_cpu_blocks * self.config.block_size
+        gpu_context_points = _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else []
+        prefill_points = _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0)
+        request_points = [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1]
+        cpu_context_points = _geometric(256, max(256, min(cpu_capacity, 1 << 21)), 4.0) if cpu_capacity >= 256 else []
+        steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
+                 + len(request_points) * len(cpu_context_points) + 2)
+        with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:
+            for tokens in token_points:
+                table.linear_tokens.append(tokens)
+                table.linear_seconds.append(self._time(lambda: self._linear(tokens)))
+                progress.update(1)
+            for context in gpu_context_points:
+                table.gpu_attention_tokens.append(context)
+                table.gpu_attention_seconds.append(self._gpu_attention(context))
+                progress.update(1)
+            for length in prefill_points:
+                table.prefill_lengths.append(length)
+                table.prefill_seconds.append(self._prefill_attention(length))
+                progress.update(1)
+            table.cpu_attention_requests = list(request_points)
+            table.cpu_attention_tokens = list(cpu_context_points)
+            for requests in request_points:
+                row = []
+                for context in cpu_context_points:
+                    row.append(self._cpu_attention(requests, max(context, requests)))
+                    progress.update(1)
+                table.cpu_attention_seconds.append(row)
+            model = PerfModel(table)
+            table.iteration_overhead = self._iteration_overhead(model)
+            progress.update(1)
+            table.pipeline_overhead = self._pipeline_overhead(model)
+            progress.update(1)
+        return table
+
+    # -- timing --------------------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _time(self, function) -> float:
+        """Median wall time of ``function`` (after one warm-up), device work included."""
+        function()
+        self._synchronize()
+        samples = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            function()
+            self._synchronize()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    # -- stages --------------------------------------------------------------------------------
+
+    def _metadata(self, num_tokens: int) -> AttentionMetadata:
+        device = self.device
+        empty_int = torch.empty(0, dtype=torch.int32, device=device)
+        return AttentionMetadata(
+            num_prefill_tokens=0, num_gpu_decodes=num_tokens, num_cpu_decodes=0,
+            positions=torch.randint(0, 1024, (num_tokens,), device=device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
+            gpu_block_table=torch.empty((0, 0), dtype=torch.int32, device=device), gpu_seq_lens=empty_int,
+            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
+            cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
+            cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
+            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
+            offload_slot_mapping_host=torch.empty(0, dtype=torch.int64))
+
+    @torch.inference_mode()
+    def _linear(self, num_tokens: int) -> None:
+        meta = self._metadata(num_tokens)
+        hidden = torch.randn(num_tokens, self.model_config.hidden_size, dtype=self.engine.dtype,
+                             device=self.device) * 0.1
+        residual = None
+        for index, layer in enumerate(self.model.layers):
+            k_cache, v_cache = self.engine.kv_cache.gpu_layers[index]
+            query, _, _, residual = layer.pre_attention(hidden, residual, meta, k_cache, v_cache)
+            attention_output = torch.zeros_like(query)
+            hidden, residual = layer.post_attention(attention_output, residual, meta)
+
+    def _random_table(self, lengths: list[int], num_blocks: int) -> torch.Tensor:
+        block_size = self.config.block_size
+        width = max(-(-length // block_size) for length in lengths)
+        rows = [[self.rng.randrange(num_blocks) for _ in range(width)] for _ in lengths]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def _split(self, context: int, num_sequences: int) -> list[int]:
+        base = max(1, context // num_sequences)
+        return [base] * num_sequences
+
+    @torch.inference_mode()
+    def _gpu_attention(self, context: int) -> float:
+        num_sequences = max(1, min(self.config.max_num_seqs, context // 512))
+        lengths = self._split(context, num_sequences)
+        k_cache, v_cache = self.engine.kv_cache.gpu_layers[0]
+        table = self._random_table(lengths, k_cache.shape[0]).to(self.device)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        config = self.model_config
+        query = torch.randn(num_sequences, config.num_heads, config.head_dim, dtype=self.engine.dtype, device=self.device)
+        output = torch.empty_like(query)
+        layers = config.num_layers
+
+        def run():
+            for index in range(layers):
+                layer_k, layer_v = self.engine.kv_cache.gpu_layers[index]
+                torch.ops.neo.paged_decode_attention(output, query, layer_k, layer_v, table, seq_lens,
+                                                     config.head_dim ** -0.5)
+
+        return self._time(run)
+
+    @torch.inference_mode()
+    def _prefill_attention(self, length: int) -> float:
+        config = self.model_config
+        shape = (length, config.num_heads, config.head_dim)
+        query = torch.randn(shape, dtype=self.engine.dtype, device=self.device)
+        key = torch.randn(length, config.num_kv_heads, config.head_dim, dtype=self.engine.dtype, device=self.device)
+        output = torch.empty_like(query)
+        cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=self.device)
+
+        def run():
+            for _ in range(config.num_layers):
+                torch.ops.neo.prefill_attention(output, query, key, key, cu_seqlens, length,
+                                                config.head_dim ** -0.5)
+
+        return self._time(run)
+
+    def _cpu_attention(self, num_requests: int, context: int) -> float:
+        """One layer's host store + attention on the worker, times the number of layers."""
+        config = self.model_config
+        lengths = self._split(context, num_requests)
+        k_cache, v_cache = self.engine.kv_cache.cpu_layers[0]
+        table = self._random_table(lengths, k_cache.shape[0])
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        dtype = self.engine.dtype
+        query = torch.randn(num_requests, config.num_heads, config.head_dim, dtype=dtype)
+        key = torch.randn(num_requests, config.num_kv_heads, config.head_dim, dtype=dtype)
+        output = torch.empty_like(query)
+        block_size = self.config.block_size
+        slots = torch.tensor([int(table[i, (length - 1) // block_size]) * block_size + (length - 1) % block_size
+                              for i, length in enumerate(lengths)], dtype=torch.int64)
+
+        def task():
+            torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
+            torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, seq_lens,
+                                                 config.head_dim ** -0.5)
+
+        def timed():
+            samples = []
+            for _ in range(self.repeats + 1):
+                start = time.perf_counter()
+                task()
+                samples.append(time.perf_counter() - start)
+            return statistics.median(samples[1:])
+
+        return self.engine.worker.submit(timed).result() * config.num_layers
+
+    # -- overheads -----------------------------------------------------------------------------
+
+    def _requests(self, location: KVLocation, count: int, length: int) -> list[Request]:
+        manager = self.engine.block_manager
+        requests = []
+        for index in range(count):
+            request = Request(f"profile-{location.value}-{index}", [1] * length, SamplingParams(max_tokens=1))
+            manager.allocate(request, location)
+            request.num_cached_tokens = length - 1
+            requests.append(request)
+        return requests
+
+    def _measure_plan(self, plan: SchedulerOutput) -> float:
+        return self._time(lambda: self.engine.runner.execute(plan))
+
+    def _iteration_overhead(self, model: PerfModel) -> float:
+        requests = self._requests(KVLocation.GPU, 1, 256)
+        try:
+            measured = self._measure_plan(SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)]))
+        finally:
+            for request in requests:
+                self.engine.block_manager.free(request)
+        return max(0.0, measured - model.linear(1) - model.gpu_attention(256))
+
+    def _pipeline_overhead(self, model: PerfModel) -> float:
+        if self.engine.layout.num_cpu_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
+            return 0.0
+        gpu = self._requests(KVLocation.GPU, 1, 256)
+        host = self._requests(KVLocation.CPU, 2, 256)
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:1]),
+                                            SubBatch(cpu_decodes=host[1:])])
+        try:
+            measured = self._measure_plan(plan)
+        finally:
+            for request in gpu + host:
+                self.engine.block_manager.free(request)
+        predicted = (max(model.linear(1), model.cpu_attention(1, 256))
+                     + max(model.linear(2) + model.gpu_attention(256), model.cpu_attention(1, 256))
+                     + model.iteration_overhead)
+        return max(0.0, measured - predicted)

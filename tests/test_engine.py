@@ -1,0 +1,234 @@
+"""The engine end to end on the CPU in float32, against Hugging Face transformers.
+
+neo-tiny is saved as a Hugging Face directory and loaded into transformers; greedy tokens of
+the engine must equal a plain greedy loop over transformers' full-sequence logits, for every
+policy, for requests arriving together or one by one, and with GPU pools so small that
+requests are preempted (gpu-only) or decode on the host (neo, full-offload).
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.models.tiny import save_tiny
+from neo.request import KVLocation
+
+NEW_TOKENS = 32
+BLOCK_BYTES = 2 * 4 * 2 * 16 * 32 * 4  # neo-tiny float32: K+V, 4 layers, 2 KV heads, 16 x 32
+PROMPTS = [[257, 72, 101, 108, 108, 111], [257] + list(range(60, 97)), [257], list(range(40, 80)) * 2,
+           [257, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+def gib_for_blocks(blocks: int) -> float:
+    return blocks * BLOCK_BYTES / 2**30
+
+
+@pytest.fixture(scope="module")
+def transformers_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("neo-tiny")
+    save_tiny(str(directory))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def expected(transformers_model):
+    """Greedy continuations by recomputing transformers' logits over the whole sequence."""
+    results = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            tokens = list(prompt)
+            for _ in range(NEW_TOKENS):
+                logits = transformers_model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+            results.append(tokens[len(prompt):])
+    return results
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+POLICY_SETTINGS = {
+    # name: (policy, GPU pool blocks, whether the host must decode / swaps must happen)
+    "gpu-only": ("gpu-only", 1024),
+    "gpu-only-preempting": ("gpu-only", 8),
+    "neo": ("neo", 10),
+    "full-offload": ("full-offload", 10),
+}
+
+
+@pytest.mark.parametrize("setting", list(POLICY_SETTINGS))
+def test_greedy_equals_transformers(setting, expected):
+    policy, gpu_blocks = POLICY_SETTINGS[setting]
+    llm = LLM("neo-tiny", policy=policy, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        metrics = llm.get_metrics()
+    finally:
+        llm.close()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    if setting == "gpu-only-preempting":
+        assert metrics["preemptions"] > 0 and metrics["blocks_swapped_in"] > 0
+    if policy in ("neo", "full-offload"):
+        assert metrics["cpu_decode_tokens"] > 0 and metrics["two_batch_iterations"] > 0
+    if policy == "full-offload":
+        assert metrics["gpu_decode_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", ["gpu-only", "neo"])
+def test_requests_arriving_one_by_one(policy, expected):
+    engine = LLMEngine(EngineConfig(policy=policy, gpu_kv_cache_gib=gib_for_blocks(12),
+                                    cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero"))
+    try:
+        results = {}
+        pending = list(enumerate(PROMPTS))
+        while pending or engine.has_unfinished_requests():
+            if pending:  # one new request every other iteration
+                index, prompt = pending.pop(0)
+                engine.add_request(prompt, GREEDY, request_id=str(index))
+            for _ in range(2):
+                for output in engine.step():
+                    if output.finished:
+                        results[int(output.request_id)] = output.outputs[0].token_ids
+        assert [results[i] for i in range(len(PROMPTS))] == expected
+        for location in (KVLocation.GPU, KVLocation.CPU):
+            pool = engine.block_manager.pools[location]
+            assert pool.num_free == pool.num_blocks, f"{location.value} blocks leaked"
+    finally:
+        engine.close()
+
+
+def test_text_prompts_and_stop_conditions():
+    llm = LLM("neo-tiny")
+    try:
+        tokenizer = llm.get_tokenizer()
+        output = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        assert output.prompt_token_ids == tokenizer.encode("Hello")
+        assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids)
+        reference = output.outputs[0].token_ids
+        # A stop token id ends generation right after it.
+        stop_id = reference[3]
+        stopped = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id]))[0]
+        assert stopped.outputs[0].token_ids == reference[:reference.index(stop_id) + 1]
+        assert stopped.outputs[0].finish_reason == "stop"
+        # EOS ends generation unless ignore_eos.
+        eos = tokenizer.eos_token_ids[0]
+        forced = llm.generate([eos + 0], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert forced.outputs[0].finish_reason in ("stop", "length")
+    finally:
+        llm.close()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    llm = LLM("neo-tiny")
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+        alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+        batched = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                               [SamplingParams(max_tokens=5, temperature=1.0), params,
+                                SamplingParams(max_tokens=7)])[1].outputs[0].token_ids
+        assert alone == batched
+        other_seed = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.8, seed=99))
+        assert other_seed[0].outputs[0].token_ids != alone
+        # top_k=1 is greedy whatever the temperature.
+        greedy = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0))[0]
+        top1 = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=1.5, top_k=1))[0]
+        assert greedy.outputs[0].token_ids == top1.outputs[0].token_ids
+    finally:
+        llm.close()
+
+
+def test_bad_input_is_rejected_and_the_engine_keeps_serving():
+    engine = LLMEngine(EngineConfig(max_model_len=64, gpu_kv_cache_gib=gib_for_blocks(8),
+                                    cpu_kv_cache_gib=gib_for_blocks(8)))
+    try:
+        good = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))
+        engine.step()
+        with pytest.raises(ValueError, match="too long: the model's context is 64 tokens"):
+            engine.add_request([5] * 64)
+        with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 320\)"):
+            engine.add_request([5, 320, 6])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([-1])
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            engine.add_request([])
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            engine.add_request("")
+        with pytest.raises(ValueError, match="list of integer token ids"):
+            engine.add_request([1.5, 2])
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request([1, 2], request_id=good.request_id)
+        small = LLMEngine(EngineConfig(gpu_kv_cache_gib=gib_for_blocks(2), cpu_kv_cache_gib=gib_for_blocks(1)))
+        with pytest.raises(ValueError, match="can never fit the KV pools: the largest holds 32 tokens"):
+            small.add_request([5] * 40)
+        small.close()
+        with pytest.raises(ValueError, match="exceeds max_num_batched_tokens=16"):
+            LLMEngine(EngineConfig(max_num_batched_tokens=16)).add_request([5] * 17)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert good.is_finished and good.num_output_tokens == 20
+        assert engine.block_manager.num_free(KVLocation.GPU) == 8
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(seed="x"), "seed must be an integer"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+])
+def test_invalid_sampling_parameters(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(model="/nonexistent/model"), "unknown model"),
+    (dict(policy="fastest"), "unknown policy 'fastest'"),
+    (dict(block_size=12), "block_size must be a power of two"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(gpu_kv_cache_gib=-1), "gpu_kv_cache_gib must be positive"),
+    (dict(policy="neo", cpu_kv_cache_gib=0), "cpu_kv_cache_gib must be > 0"),
+    (dict(load_format="pickle"), "unknown load_format"),
+    (dict(dtype="int8"), "unsupported dtype"),
+])
+def test_invalid_engine_settings(options, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        LLMEngine(EngineConfig(**options)).close()
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(tmp_path))
+
+
+def test_worker_failure_reaches_the_caller_and_frees_blocks(monkeypatch):
+    engine = LLMEngine(EngineConfig(policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(4),
+                                    cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero"))
+    try:
+        engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
+        engine.step()  # prefill
+        # Corrupt one layer's host cache view: the worker's kernel rejects it mid-iteration.
+        k_cache, v_cache = engine.kv_cache.cpu_layers[2]
+        engine.kv_cache.cpu_layers[2] = (k_cache.to(torch.float16), v_cache)
+        with pytest.raises(ValueError, match="dtype"):
+            engine.step()
+        engine.kv_cache.cpu_layers[2] = (k_cache, v_cache)
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks
+        # The engine serves the next request normally.
+        survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert survivor.num_output_tokens == 5
+    finally:
+        engine.close()

@@ -1,0 +1,170 @@
+"""The load-aware scheduler (neo and full-offload policies), without a model."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neo.block_manager import BlockManager
+from neo.config import EngineConfig
+from neo.offload_scheduler import OffloadScheduler
+from neo.perf_model import PerfModel, PerfTable
+from neo.request import KVLocation, Request, RequestStatus
+from neo.sampling_params import SamplingParams
+
+from test_block_manager import check_pools
+
+GPU, CPU = KVLocation.GPU, KVLocation.CPU
+
+
+def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token: float) -> PerfModel:
+    """Straight-line stage times (seconds), with a fixed cost so small batches are not free."""
+    tokens = [1, 64, 4096, 65536, 1 << 20]
+    return PerfModel(PerfTable(
+        linear_tokens=tokens, linear_seconds=[1e-3 + linear_per_token * t for t in tokens],
+        gpu_attention_tokens=tokens, gpu_attention_seconds=[gpu_per_token * t for t in tokens],
+        prefill_lengths=tokens, prefill_seconds=[gpu_per_token * t * t / 64 for t in tokens],
+        cpu_attention_requests=[1, 512], cpu_attention_tokens=tokens,
+        cpu_attention_seconds=[[cpu_per_token * t for t in tokens] for _ in range(2)],
+    ))
+
+
+def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int, perf_model: PerfModel,
+                   max_num_seqs: int = 64, block_size: int = 16) -> OffloadScheduler:
+    config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=2048)
+    manager = BlockManager(gpu_blocks, cpu_blocks, block_size)
+    return OffloadScheduler(config, manager, perf_model, num_layers=4)
+
+
+def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, max_steps=20_000) -> None:
+    """Stand-in for the engine loop: one token per scheduled request per iteration."""
+    for request in requests:
+        scheduler.add(request)
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return
+        plan = scheduler.schedule()
+        assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
+        assert len(plan.sub_batches) <= 2
+        for batch in plan.sub_batches:
+            for request in batch.prefills + batch.gpu_decodes + batch.cpu_decodes:
+                assert request.status is RequestStatus.RUNNING
+                assert len(request.block_table) * scheduler.block_manager.block_size >= request.num_tokens
+            assert all(r.location is GPU for r in batch.gpu_decodes)
+            assert all(r.location is CPU for r in batch.cpu_decodes)
+        if len(plan.sub_batches) == 2:
+            assert not plan.sub_batches[1].prefills and not plan.sub_batches[1].gpu_decodes
+        if on_plan is not None:
+            on_plan(plan)
+        for request in plan.requests:
+            request.num_cached_tokens = request.num_tokens
+            request.output_token_ids.append(5)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                scheduler.finish(request, "length")
+        scheduler.remove_finished()
+        check_pools(scheduler.block_manager, requests)
+    raise AssertionError("requests did not finish")
+
+
+def requests_of(count: int, prompt_len: int, max_tokens: int) -> list[Request]:
+    return [Request(str(i), [1] * prompt_len, SamplingParams(max_tokens=max_tokens)) for i in range(count)]
+
+
+def test_overflow_goes_to_host_and_runs_two_sub_batches():
+    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=PerfModel.zero())
+    requests = requests_of(24, prompt_len=40, max_tokens=20)
+    seen = {"two": 0, "host_in_batch0": 0}
+
+    def on_plan(plan):
+        if len(plan.sub_batches) == 2:
+            seen["two"] += 1
+            seen["host_in_batch0"] += len(plan.sub_batches[0].cpu_decodes)
+
+    drive(scheduler, requests, on_plan)
+    assert seen["two"] > 0 and seen["host_in_batch0"] > 0
+    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(CPU) == 400
+
+
+def test_slow_host_falls_back_to_gpu_only_but_never_starves():
+    # Host attention far slower than anything on the GPU: two sub-batches never pay.
+    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=400,
+                               perf_model=synthetic_model(1e-6, 1e-8, 1e-2))
+    requests = requests_of(16, prompt_len=40, max_tokens=30)
+    last_token = {}
+    host_gaps = []  # (iterations since the request's previous token, plan had GPU work)
+
+    def on_plan(plan):
+        gpu_work = any(batch.prefills or batch.gpu_decodes for batch in plan.sub_batches)
+        for batch in plan.sub_batches:
+            for request in batch.requests:
+                gap = scheduler.iteration - last_token.get(request.request_id, scheduler.iteration)
+                if request in batch.cpu_decodes:
+                    host_gaps.append((gap, gpu_work))
+                last_token[request.request_id] = scheduler.iteration
+
+    drive(scheduler, requests, on_plan)
+    assert host_gaps, "host requests never decoded"
+    assert max(gap for gap, _ in host_gaps) <= scheduler.max_host_wait + 1, "a host request starved"
+    beside_gpu_work = [gap for gap, gpu_work in host_gaps if gpu_work]
+    assert beside_gpu_work and min(beside_gpu_work) > 1, \
+        "host decodes ran beside GPU work every iteration although they do not pay"
+
+
+def test_fast_host_keeps_attention_hidden():
+    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=2e-7)
+    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
+    requests = requests_of(64, prompt_len=100, max_tokens=40)
+    checked = []
+
+    def on_plan(plan):
+        if len(plan.sub_batches) != 2:
+            return
+        batch0, batch1 = plan.sub_batches
+        if any(scheduler._starving(r) for r in batch0.cpu_decodes + batch1.cpu_decodes):
+            return
+        linear0 = model.linear(batch0.num_tokens)
+        gpu0 = model.gpu_attention(sum(r.num_tokens for r in batch0.gpu_decodes)) + \
+            model.prefill_attention([r.num_tokens for r in batch0.prefills])
+        host1 = model.cpu_attention(len(batch1.cpu_decodes), sum(r.num_tokens for r in batch1.cpu_decodes))
+        host0 = model.cpu_attention(len(batch0.cpu_decodes), sum(r.num_tokens for r in batch0.cpu_decodes))
+        assert host1 <= linear0 + gpu0 + 1e-12
+        assert host0 <= model.linear(len(batch1.cpu_decodes)) + 1e-12
+        checked.append(plan.predicted_time)
+
+    drive(scheduler, requests, on_plan)
+    assert len(checked) > 5 and all(t > 0 for t in checked)
+
+
+def test_full_offload_decodes_every_host_request_every_iteration():
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=400,
+                               perf_model=synthetic_model(1e-5, 1e-8, 1e-6))
+    requests = requests_of(12, prompt_len=30, max_tokens=10)
+
+    def on_plan(plan):
+        running = [r for r in scheduler.running if r.is_prefilled and not r.is_finished]
+        decoded = [r for batch in plan.sub_batches for r in batch.cpu_decodes]
+        assert all(r.location is CPU for r in plan.requests)
+        assert set(map(id, decoded)) == set(map(id, running))
+
+    drive(scheduler, requests, on_plan)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
+       gpu_blocks=st.integers(4, 40), cpu_blocks=st.integers(8, 80),
+       host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
+def test_random_mixes_never_leak(seed, policy, gpu_blocks, cpu_blocks, host_speed):
+    rng = random.Random(seed)
+    if policy == "full-offload":
+        gpu_blocks = 0
+    model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
+    scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16),
+                               block_size=8)
+    capacity = max(gpu_blocks, cpu_blocks) * 8
+    requests = [Request(str(i), [2] * rng.randint(1, min(60, capacity // 2)),
+                        SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+    drive(scheduler, requests)
+    assert scheduler.block_manager.num_free(GPU) == gpu_blocks
+    assert scheduler.block_manager.num_free(CPU) == cpu_blocks
+    assert all(r.is_finished for r in requests)
