@@ -61,15 +61,14 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
     max_prefill_len = max((request.num_tokens for request in batch.prefills), default=0)
 
     def add_decodes(requests: list[Request], on_device: bool) -> list[int]:
-        decode_slots = []
-        for request in requests:
-            position = request.num_tokens - 1
-            slot = request.block_table[position // block_size] * block_size + position % block_size
-            token_ids.append(request.last_token_id)
-            positions.append(position)
-            slots.append(slot if on_device else -1)
-            decode_slots.append(slot)
-            logits_rows.append(len(token_ids) - 1)
+        first_row = len(token_ids)
+        decode_positions = [request.num_tokens - 1 for request in requests]
+        decode_slots = [request.block_table[position // block_size] * block_size + position % block_size
+                        for request, position in zip(requests, decode_positions)]
+        token_ids.extend(request.output_token_ids[-1] for request in requests)
+        positions.extend(decode_positions)
+        slots.extend(decode_slots if on_device else [-1] * len(requests))
+        logits_rows.extend(range(first_row, first_row + len(requests)))
         return decode_slots
 
     add_decodes(batch.gpu_decodes, on_device=True)

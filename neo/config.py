@@ -26,6 +26,8 @@ class EngineConfig:
     perf_model: stage-time table for the load-aware scheduler: "auto" (this machine's profile
         from the cache, profiled on first use), "zero" (predicts zero: tests), or a JSON path.
     trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
+    use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
+        at most ``cuda_graph_max_context`` tokens.
     """
 
     model: str = "neo-tiny"
@@ -42,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
+    cuda_graph_max_context: int = 8192
     perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0

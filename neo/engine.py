@@ -8,15 +8,16 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
 from .executor import PipelineExecutor
 from .kv_cache import GIB, CacheLayout, KVCache
 from .memory import gpu_kv_cache_bytes
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .model_config import parse_dtype
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request
+from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .offload_scheduler import OffloadScheduler
 from .profiler import load_perf_model
@@ -46,6 +47,8 @@ class LLMEngine:
                                 max_positions=self.max_model_len)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer and self.tokenizer.eos_token_ids
+                                       else self.model_config.eos_token_ids)
 
         self.layout = CacheLayout.for_budgets(
             self.model_config, self.dtype, config.block_size,
@@ -67,9 +70,15 @@ class LLMEngine:
                                               self.model_config.num_layers)
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
-                                    max_offload_tokens=config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device)
+                                    max_offload_tokens=config.max_num_batched_tokens,
+                                    measure_gpu_busy=config.trace_path is not None)
+        decode_graphs = None
+        if self.device.type == "cuda" and config.use_cuda_graphs:
+            decode_graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                                         min(self.max_model_len, config.cuda_graph_max_context), self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs)
         self.metrics = EngineMetrics()
+        self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool "
@@ -173,8 +182,11 @@ class LLMEngine:
         except BaseException:
             self._fail(plan)
             raise
-        self.metrics.busy_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.metrics.busy_seconds += elapsed
         self._count(plan)
+        if self.trace is not None:
+            self._record(plan, elapsed)
         return self._postprocess(plan, tokens)
 
     def _fail(self, plan: SchedulerOutput) -> None:
@@ -184,6 +196,17 @@ class LLMEngine:
             if not request.is_finished:
                 logger.error("request %s ended: its iteration failed", request.request_id)
                 self.abort_request(request.request_id, reason="error")
+
+    def _record(self, plan: SchedulerOutput, elapsed: float) -> None:
+        batches = [batch for batch in plan.sub_batches if batch]
+        self.trace.add(IterationRecord(
+            iteration=self.metrics.iterations, num_sub_batches=len(batches),
+            prefill_tokens=sum(b.num_prefill_tokens for b in batches),
+            gpu_decodes=sum(len(b.gpu_decodes) for b in batches),
+            cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
+            predicted_seconds=plan.predicted_time, measured_seconds=elapsed,
+            cpu_busy_seconds=self.worker.take_busy_seconds() if self.worker else 0.0,
+            gpu_busy_seconds=self.runner.gpu_busy_seconds()))
 
     def _count(self, plan: SchedulerOutput) -> None:
         metrics = self.metrics
@@ -208,7 +231,7 @@ class LLMEngine:
             outputs.append(self._output(request))
         for request, token in zip(plan.requests, tokens):
             request.num_cached_tokens = request.num_tokens
-            request.output_token_ids.append(token)
+            request.append_token(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.metrics.output_tokens += 1
@@ -225,7 +248,7 @@ class LLMEngine:
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.sampling_params
-        if not params.ignore_eos and token in self._eos_token_ids():
+        if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
@@ -234,11 +257,6 @@ class LLMEngine:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return self.model_config.eos_token_ids
 
     def _cut_at_stop_string(self, request: Request) -> bool:
         text = self.tokenizer.decode(request.output_token_ids)
@@ -250,21 +268,22 @@ class LLMEngine:
         return True
 
     def _output(self, request: Request) -> RequestOutput:
-        finished = request.is_finished
-        text = request.output_text
-        if text is None:
-            text = self.tokenizer.decode(request.output_token_ids) if finished and self.tokenizer else ""
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(request.output_token_ids), text, request.finish_reason)],
-            finished=finished,
-            metrics=RequestMetrics(request.arrival_time, request.first_token_time,
-                                   request.finish_time, request.num_preemptions),
-        )
+        """A snapshot of the request; text and metrics once it has finished."""
+        completion = CompletionOutput(0, request.output_token_ids[:], "", request.finish_reason)
+        output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                               request.status is RequestStatus.FINISHED)
+        if output.finished:
+            text = request.output_text
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(request.output_token_ids)
+            completion.text = text or ""
+            output.metrics = RequestMetrics(request.arrival_time, request.first_token_time,
+                                            request.finish_time, request.num_preemptions)
+        return output
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.save(self.config.trace_path)
         if self.worker is not None:
             self.worker.shutdown()
         self.kv_cache.close()

@@ -80,7 +80,8 @@ class PipelineExecutor:
     """Executes sub-batches layer by layer on the compute device and the host CPU."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device,
-                 worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_offload_tokens: int):
+                 worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_offload_tokens: int,
+                 measure_gpu_busy: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -88,6 +89,10 @@ class PipelineExecutor:
         config = model.config
         self.scale = config.head_dim ** -0.5
         self.on_cuda = device.type == "cuda"
+        # GPU busy time per iteration (for the trace): events around each run of launches
+        # between two waits for the host, summed once the iteration is done.
+        self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
+        self._busy_events: list[torch.cuda.Event] = []
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.host_buffers = []
         if self.on_cuda and worker is not None:
@@ -104,6 +109,8 @@ class PipelineExecutor:
 
         swap_out / swap_in: int64 host ``[n, 2]`` block pairs (gpu->cpu / cpu->gpu) to copy first.
         """
+        self._busy_events = []
+        self._mark_busy()
         states = [_SubBatchState(inputs, self.model.embed(inputs.input_ids)) for inputs in batches]
         swap_events = self._start_swaps(swap_out, swap_in)
         num_layers = len(self.model.layers)
@@ -118,7 +125,22 @@ class PipelineExecutor:
         hidden_rows = [self.model.final_norm(state.hidden[state.inputs.logits_indices],
                                              state.residual[state.inputs.logits_indices])
                        for state in states]
-        return self.model.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
+        logits = self.model.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
+        self._mark_busy()
+        return logits
+
+    def _mark_busy(self) -> None:
+        if self.measure_gpu_busy:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._busy_events.append(event)
+
+    def gpu_busy_seconds(self) -> float | None:
+        """GPU time of the last ``run`` outside its waits for the host (after it completed)."""
+        if not self.measure_gpu_busy or len(self._busy_events) < 2:
+            return None
+        events = self._busy_events
+        return sum(start.elapsed_time(end) for start, end in zip(events[0::2], events[1::2])) / 1e3
 
     # -- stage orders --------------------------------------------------------------------------
 
@@ -226,7 +248,12 @@ class PipelineExecutor:
             return
         future, rows = state.pending
         state.pending = None
-        output = future.result()
+        if not future.done():
+            self._mark_busy()
+            output = future.result()
+            self._mark_busy()
+        else:
+            output = future.result()
         if output is None:
             return
         # On the compute stream: the next stage needs these rows, and the worker reuses the

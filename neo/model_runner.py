@@ -3,6 +3,7 @@
 import torch
 
 from .batch_inputs import build_batch_inputs
+from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
 from .kv_cache import KVCache
 from .sampler import Sampler
@@ -16,11 +17,14 @@ def _block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
 class ModelRunner:
     """Builds each sub-batch's inputs, runs the executor, samples one token per request."""
 
-    def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device):
+    def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
         self.device = device
+        self.decode_graphs = decode_graphs
+        self._replayed_graph = False
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
 
@@ -34,10 +38,20 @@ class ModelRunner:
             if plan.swap_out or plan.swap_in:
                 self.swap(plan)
             return []
-        logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
+        graphs = self.decode_graphs
+        self._replayed_graph = (graphs is not None and len(batches) == 1 and not plan.swap_out
+                                and not plan.swap_in and graphs.can_run(batches[0]))
+        if self._replayed_graph:
+            logits = graphs.run(batches[0])
+        else:
+            logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
         tokens = self.sampler(logits, [r.sampling_params for r in requests],
                               [r.generator for r in requests])
         return tokens.tolist()
+
+    def gpu_busy_seconds(self) -> float | None:
+        """GPU busy time of the last iteration, when it ran through the executor and measured."""
+        return None if self._replayed_graph else self.executor.gpu_busy_seconds()
 
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = _block_pairs(plan.swap_out), _block_pairs(plan.swap_in)

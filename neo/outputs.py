@@ -3,15 +3,15 @@
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     token_ids: list[int]
-    text: str = ""
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    text: str = ""  # filled in once the request has finished (with a tokenizer)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
@@ -19,7 +19,7 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

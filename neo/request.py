@@ -30,6 +30,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_tokens = len(self.prompt_token_ids)  # prompt + output, kept by append_token
         self.sampling_params = sampling_params
         self.status = RequestStatus.WAITING
         self.location: KVLocation | None = None
@@ -52,12 +53,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def last_token_id(self) -> int:

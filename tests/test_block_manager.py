@@ -54,7 +54,7 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: 
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
         for request in plan.requests:
             request.num_cached_tokens = request.num_tokens
-            request.output_token_ids.append(7)
+            request.append_token(7)
             if request.num_output_tokens >= request.sampling_params.max_tokens:
                 scheduler.finish(request, "length")
         scheduler.remove_finished()
@@ -67,9 +67,10 @@ def test_pool_allocate_free_roundtrip():
     request = make_request(0, prompt_len=33, max_tokens=1)
     manager.allocate(request, GPU)
     assert len(request.block_table) == 3 and manager.num_free(GPU) == 5
-    request.output_token_ids += [1] * 15  # 48 tokens: still 3 blocks
+    for _ in range(15):  # 48 tokens: still 3 blocks
+        request.append_token(1)
     assert not manager.needs_new_block(request)
-    request.output_token_ids.append(1)  # 49 tokens: a 4th block
+    request.append_token(1)  # 49 tokens: a 4th block
     manager.append_slot(request)
     assert len(request.block_table) == 4
     moves = manager.move(request, CPU)
@@ -143,7 +144,7 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
             assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
             for request in plan.requests:
                 request.num_cached_tokens = request.num_tokens
-                request.output_token_ids.append(3)
+                request.append_token(3)
                 if request.num_output_tokens >= request.sampling_params.max_tokens:
                     scheduler.finish(request, "length")
             scheduler.remove_finished()

@@ -59,7 +59,7 @@ def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, ma
             on_plan(plan)
         for request in plan.requests:
             request.num_cached_tokens = request.num_tokens
-            request.output_token_ids.append(5)
+            request.append_token(5)
             if request.num_output_tokens >= request.sampling_params.max_tokens:
                 scheduler.finish(request, "length")
         scheduler.remove_finished()

@@ -1,0 +1,107 @@
+"""``DecodeGraphs``: CUDA graphs of the whole forward for decode-only batches.
+
+A decode-only iteration launches a few hundred small kernels whose launch time on the host can
+exceed their run time on the GPU. The forward (all layers, final norm, logits) is captured once
+per padded batch size and replayed with the batch's inputs copied into static buffers. Padding
+rows decode a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits
+are dropped. Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider
+than the captured width (longer contexts run eagerly).
+"""
+
+import logging
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .batch_inputs import BatchInputs
+
+logger = logging.getLogger(__name__)
+
+
+def padded_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to ``max_batch_size`` (included)."""
+    sizes = [size for size in (1, 2, 4) if size < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
+    return sorted(set(sizes + [max_batch_size]))
+
+
+class DecodeGraphs:
+    """Captured forwards, one per padded batch size, sharing one memory pool."""
+
+    def __init__(self, model, kv_cache, max_batch_size: int, max_context: int, device: torch.device):
+        self.model = model
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.max_blocks = -(-max_context // self.block_size)
+        self.sizes = padded_batch_sizes(max_batch_size)
+        largest = self.sizes[-1]
+        int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(largest, **int64)
+        self.positions = torch.zeros(largest, **int64)
+        self.slot_mapping = torch.full((largest,), -1, **int64)
+        self.block_table = torch.zeros(largest, self.max_blocks, **int32)
+        self.seq_lens = torch.ones(largest, **int32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._kv_layers = kv_cache.gpu_layers
+        self._capture_all()
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        device = self.device
+        empty_int32 = torch.empty(0, dtype=torch.int32)
+        empty_int64 = torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(
+            num_prefill_tokens=0, num_gpu_decodes=size, num_cpu_decodes=0,
+            positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
+            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
+            gpu_block_table=self.block_table[:size], gpu_seq_lens=self.seq_lens[:size],
+            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
+            cpu_slot_mapping_host=empty_int64,
+            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
+            offload_slot_mapping_host=empty_int64)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so the pool fits every later one
+            meta = self._metadata(size)
+
+            def forward():
+                hidden = self.model.forward(self.input_ids[:size], meta, self._kv_layers)
+                return self.model.compute_logits(hidden)
+
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside the graph (kernel selection, caches)
+                forward()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = forward()
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def can_run(self, inputs: BatchInputs) -> bool:
+        meta = inputs.metadata
+        return (meta.num_prefill_tokens == 0 and meta.num_cpu_decodes == 0
+                and 0 < meta.num_gpu_decodes <= self.sizes[-1]
+                and meta.gpu_block_table.shape[1] <= self.max_blocks)
+
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        """Replay for a decode-only batch; returns float32 logits ``[num_decodes, vocab]``."""
+        meta = inputs.metadata
+        count = meta.num_gpu_decodes
+        size = next(size for size in self.sizes if size >= count)
+        self.input_ids[:count].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:count].copy_(meta.positions, non_blocking=True)
+        self.slot_mapping[:count].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[count:size].fill_(-1)
+        self.seq_lens[:count].copy_(meta.gpu_seq_lens, non_blocking=True)
+        self.seq_lens[count:size].fill_(1)
+        width = meta.gpu_block_table.shape[1]
+        self.block_table[:count, :width].copy_(meta.gpu_block_table, non_blocking=True)
+        self.block_table[count:size].zero_()
+        self.graphs[size].replay()
+        return self.logits[size][:count]
