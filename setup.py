@@ -99,11 +99,15 @@ def cuda_extension():
         notice("CUDA is not available to this torch build: the CUDA kernels are not built.")
         return None
     arch_flags = os.environ.get("NEO_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a").split()
+    # The binding includes torch's headers: its C++ standard is left to torch (C++17 up to 2.12,
+    # C++20 from 2.13 on). The kernel sources include only CUDA headers and build as C++17;
+    # .ci/compile_cuda.sh compiles them with the same nvcc flags.
+    host_flags = [flag for flag in CXX_FLAGS if not flag.startswith("-std=")]
     return cpp_extension.CUDAExtension(
         "neo.ops._cuda_kernels",
         sources,
         extra_compile_args={
-            "cxx": CXX_FLAGS,
+            "cxx": host_flags,
             "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + arch_flags,
         },
     )

@@ -1,0 +1,290 @@
+"""Benchmarks of neo's CUDA kernels on one GPU, with the ceilings they are judged against.
+
+Measures, in one run:
+
+- the device-to-device copy bandwidth (a large tensor copy; bytes read + written per second),
+  the ceiling of the memory-bound kernels;
+- ``neo.paged_decode_attention`` (bf16, 32 query / 8 KV heads, head_dim 128, block 16, shuffled
+  block tables) over (num_seqs, context) points: time, KV bytes read per second, the share of
+  the copy bandwidth, and torch ``scaled_dot_product_attention`` on the same shapes with
+  contiguous KV (``enable_gqa=True``, and with the KV heads materialized per query head; the
+  faster of the two is the baseline), with the ratio;
+- the other kernels at a Llama-3-8B-like size against their pure-torch references.
+
+Each timing is the median over repeats of a CUDA-event-timed loop that cycles through several
+input sets, so the L2 cache cannot serve repeats of the decode inputs. A compact table is
+printed last; ``--json PATH`` also writes every figure.
+
+Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick]
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from neo.ops import implementations
+
+DECODE_POINTS = [(256, 128), (256, 256), (256, 512), (64, 4096), (256, 1024), (16, 16384),
+                 (128, 2048)]
+QUICK_DECODE_POINTS = [(256, 128), (64, 4096)]
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+# Input sets rotate until they span this many times the L2 cache.
+L2_SPAN = 3
+# Llama-3-8B-like sizes for the other kernels.
+TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
+
+
+def time_per_call(calls, repeats: int, min_seconds: float = 0.01) -> float:
+    """Median seconds per call of a loop over ``calls`` (callables cycled in order)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed_loop(count: int) -> float:
+        start.record()
+        for index in range(count):
+            calls[index % len(calls)]()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / count
+
+    estimate = timed_loop(len(calls))
+    count = max(len(calls), math.ceil(min_seconds / max(estimate, 1e-7)))
+    count = math.ceil(count / len(calls)) * len(calls)
+    return statistics.median(timed_loop(count) for _ in range(repeats))
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write) of a 1 GiB tensor copy."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    seconds = time_per_call([lambda: destination.copy_(source)], repeats)
+    return 2 * source.numel() / seconds
+
+
+def input_sets(bytes_per_set: int) -> int:
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, math.ceil(L2_SPAN * l2_bytes / bytes_per_set))
+
+
+def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_second: float,
+                 generator: torch.Generator) -> dict:
+    dtype = torch.bfloat16
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = num_seqs * blocks_per_seq
+    kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    sets = input_sets(kv_bytes)
+    scale = HEAD_DIM ** -0.5
+    cache_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+
+    neo_calls = []
+    for _ in range(sets):
+        k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
+        v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
+        table = torch.randperm(num_blocks, generator=generator, device="cuda").int()
+        table = table.view(num_seqs, blocks_per_seq)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
+                        dtype=dtype)
+        out = torch.empty_like(q)
+        neo_calls.append(lambda out=out, q=q, k=k_cache, v=v_cache, t=table, s=seq_lens:
+                         torch.ops.neo.paged_decode_attention(out, q, k, v, t, s, scale))
+    neo_seconds = time_per_call(neo_calls, repeats)
+    del neo_calls
+    torch.cuda.empty_cache()
+
+    sdpa_seconds = {}
+    group = NUM_HEADS // NUM_KV_HEADS
+    for variant in ("enable_gqa", "expanded_kv"):
+        calls = []
+        heads = NUM_KV_HEADS if variant == "enable_gqa" else NUM_HEADS
+        variant_sets = input_sets(kv_bytes * heads // NUM_KV_HEADS)
+        for _ in range(variant_sets):
+            shape = (num_seqs, NUM_KV_HEADS, context, HEAD_DIM)
+            keys = torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
+            values = torch.randn(shape, generator=generator, device="cuda", dtype=dtype)
+            if variant == "expanded_kv":
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
+            q = torch.randn(num_seqs, NUM_HEADS, 1, HEAD_DIM, generator=generator, device="cuda",
+                            dtype=dtype)
+            gqa = variant == "enable_gqa"
+            calls.append(lambda q=q, k=keys, v=values, gqa=gqa:
+                         F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa))
+        sdpa_seconds[variant] = time_per_call(calls, repeats)
+        del calls
+        torch.cuda.empty_cache()
+    best_sdpa = min(sdpa_seconds.values())
+    return {
+        "num_seqs": num_seqs,
+        "context": context,
+        "kv_tokens": num_seqs * context,
+        "input_sets": sets,
+        "neo_ms": neo_seconds * 1e3,
+        "kv_gb_per_s": kv_bytes / neo_seconds / 1e9,
+        "percent_of_copy_bandwidth": 100 * kv_bytes / neo_seconds / copy_bytes_per_second,
+        "sdpa_enable_gqa_ms": sdpa_seconds["enable_gqa"] * 1e3,
+        "sdpa_expanded_kv_ms": sdpa_seconds["expanded_kv"] * 1e3,
+        "neo_over_best_sdpa": neo_seconds / best_sdpa,
+    }
+
+
+def other_kernels(repeats: int, generator: torch.Generator) -> list[dict]:
+    """The remaining ops at Llama-3-8B-like sizes: neo's CUDA kernel vs the torch reference."""
+    dtype = torch.bfloat16
+    device = "cuda"
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    weight = randn(HIDDEN)
+    hidden_in, hidden_out, residual = (randn(TOKENS, HIDDEN) for _ in range(3))
+    gate_up, activation = randn(TOKENS, 2 * INTERMEDIATE), randn(TOKENS, INTERMEDIATE)
+    positions = torch.randint(0, 8192, (TOKENS,), generator=generator, device=device)
+    angles = torch.rand(8192, HEAD_DIM // 2, generator=generator, device=device) * 6.28
+    cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    query, key = randn(TOKENS, NUM_HEADS, HEAD_DIM), randn(TOKENS, NUM_KV_HEADS, HEAD_DIM)
+    value = randn(TOKENS, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = randn(4096, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(4096 * BLOCK_SIZE, generator=generator, device=device)[:TOKENS]
+    prompt_tokens = 2048
+    cu_seqlens = torch.arange(0, prompt_tokens + 1, 512, dtype=torch.int32, device=device)
+    prefill_q = randn(prompt_tokens, NUM_HEADS, HEAD_DIM)
+    prefill_k = randn(prompt_tokens, NUM_KV_HEADS, HEAD_DIM)
+    prefill_v = randn(prompt_tokens, NUM_KV_HEADS, HEAD_DIM)
+    prefill_out = torch.empty_like(prefill_q)
+
+    cases = {
+        "rms_norm": (f"[{TOKENS}, {HIDDEN}]", (hidden_out, hidden_in, weight, 1e-5),
+                     2 * hidden_in.nbytes),
+        "fused_add_rms_norm": (f"[{TOKENS}, {HIDDEN}]", (hidden_in, residual, weight, 1e-5),
+                               4 * hidden_in.nbytes),
+        "rotary_embedding": (f"q [{TOKENS}, {NUM_HEADS}, {HEAD_DIM}], "
+                             f"k [{TOKENS}, {NUM_KV_HEADS}, {HEAD_DIM}]",
+                             (positions, query, key, cos_sin_cache),
+                             2 * (query.nbytes + key.nbytes)),
+        "silu_and_mul": (f"[{TOKENS}, 2 x {INTERMEDIATE}]", (activation, gate_up),
+                         gate_up.nbytes + activation.nbytes),
+        "store_kv_cache": (f"{TOKENS} tokens x {NUM_KV_HEADS} x {HEAD_DIM}",
+                           (key, value, k_cache, v_cache, slots), 4 * key.nbytes),
+        "prefill_attention": (f"4 x 512 tokens, {NUM_HEADS}/{NUM_KV_HEADS} heads",
+                              (prefill_out, prefill_q, prefill_k, prefill_v, cu_seqlens, 512,
+                               HEAD_DIM ** -0.5), None),
+    }
+    results = []
+    for op, (shape, arguments, bytes_moved) in cases.items():
+        cuda_op = getattr(torch.ops.neo_cuda, op)
+        reference_op = getattr(torch.ops.neo_reference, op)
+        neo_seconds = time_per_call([lambda: cuda_op(*arguments)], repeats)
+        reference_seconds = time_per_call([lambda: reference_op(*arguments)], repeats)
+        results.append({
+            "kernel": op,
+            "shape": shape,
+            "neo_ms": neo_seconds * 1e3,
+            "reference_ms": reference_seconds * 1e3,
+            "speedup_over_reference": reference_seconds / neo_seconds,
+            "gb_per_s": bytes_moved / neo_seconds / 1e9 if bytes_moved else None,
+        })
+    results.append(swap_case(repeats, generator))
+    return results
+
+
+def swap_case(repeats: int, generator: torch.Generator) -> dict:
+    """swap_blocks of 512 one-layer blocks GPU -> pinned CPU: one merged run vs scattered."""
+    gpu = torch.randn(1024, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=generator,
+                      device="cuda", dtype=torch.bfloat16)
+    host = torch.empty(gpu.shape, dtype=gpu.dtype).pin_memory()
+    contiguous = torch.stack((torch.arange(512), torch.arange(512)), dim=1)
+    scattered = torch.stack((torch.arange(0, 1024, 2), torch.arange(512)), dim=1)
+    run_seconds = time_per_call([lambda: torch.ops.neo_cuda.swap_blocks(gpu, host, contiguous)],
+                                repeats)
+    scattered_seconds = time_per_call(
+        [lambda: torch.ops.neo_cuda.swap_blocks(gpu, host, scattered)], repeats)
+    reference_seconds = time_per_call(
+        [lambda: torch.ops.neo_reference.swap_blocks(gpu, host, scattered)], repeats)
+    block_bytes = gpu[0].nbytes
+    return {
+        "kernel": "swap_blocks",
+        "shape": f"512 blocks of {block_bytes // 1024} KiB to pinned CPU (scattered)",
+        "neo_ms": scattered_seconds * 1e3,
+        "reference_ms": reference_seconds * 1e3,
+        "speedup_over_reference": reference_seconds / scattered_seconds,
+        "gb_per_s": 512 * block_bytes / scattered_seconds / 1e9,
+        "one_run_gb_per_s": 512 * block_bytes / run_seconds / 1e9,
+    }
+
+
+def print_tables(report: dict) -> None:
+    print(f"\n{report['device']} | torch {report['torch']} | device-to-device copy "
+          f"{report['copy_gb_per_s']:.0f} GB/s (read + write)")
+    print("\npaged_decode_attention, bf16, 32/8 heads, head_dim 128, block 16")
+    header = (f"{'seqs':>5} {'context':>8} {'neo ms':>9} {'KV GB/s':>8} {'% copy':>7} "
+              f"{'sdpa gqa ms':>12} {'sdpa exp ms':>12} {'neo/sdpa':>9}")
+    print(header)
+    for row in report["decode"]:
+        print(f"{row['num_seqs']:>5} {row['context']:>8} {row['neo_ms']:>9.3f} "
+              f"{row['kv_gb_per_s']:>8.0f} {row['percent_of_copy_bandwidth']:>6.1f}% "
+              f"{row['sdpa_enable_gqa_ms']:>12.3f} {row['sdpa_expanded_kv_ms']:>12.3f} "
+              f"{row['neo_over_best_sdpa']:>9.2f}")
+    print(f"\nother kernels, bf16, {TOKENS} tokens (Llama-3-8B sizes)")
+    print(f"{'kernel':<20} {'neo ms':>9} {'ref ms':>9} {'speedup':>8} {'GB/s':>7}  shape")
+    for row in report["kernels"]:
+        bandwidth = f"{row['gb_per_s']:>7.0f}" if row["gb_per_s"] else f"{'-':>7}"
+        print(f"{row['kernel']:<20} {row['neo_ms']:>9.4f} {row['reference_ms']:>9.4f} "
+              f"{row['speedup_over_reference']:>8.1f} {bandwidth}  {row['shape']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only the decode points {QUICK_DECODE_POINTS}, 5 repeats")
+    parser.add_argument("--seed", type=int, default=0)
+    arguments = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda_kernels: no CUDA device; nothing to measure", file=sys.stderr)
+        return 1
+    unavailable = [impl for op in ("paged_decode_attention", "swap_blocks")
+                   for impl in implementations(op, "cuda", available_only=False)
+                   if impl.name == "cuda" and not impl.available]
+    if unavailable:
+        print(f"cuda_kernels: the CUDA kernels are not built: {unavailable[0].note}",
+              file=sys.stderr)
+        return 1
+    repeats = 5 if arguments.quick else arguments.repeats
+    points = QUICK_DECODE_POINTS if arguments.quick else DECODE_POINTS
+    generator = torch.Generator(device="cuda").manual_seed(arguments.seed)
+    copy = copy_bandwidth(repeats)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "copy_gb_per_s": copy / 1e9,
+        "decode": [],
+        "kernels": [],
+    }
+    for num_seqs, context in points:
+        row = decode_point(num_seqs, context, repeats, copy, generator)
+        report["decode"].append(row)
+        print(f"decode {num_seqs} x {context}: {row['neo_ms']:.3f} ms, "
+              f"{row['percent_of_copy_bandwidth']:.1f}% of copy bandwidth, "
+              f"{row['neo_over_best_sdpa']:.2f}x best SDPA", flush=True)
+        torch.cuda.empty_cache()
+    report["kernels"] = other_kernels(repeats, generator)
+    if arguments.json:
+        with open(arguments.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    print_tables(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

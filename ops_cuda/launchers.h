@@ -1,0 +1,131 @@
+// Host-side entry points of neo's CUDA kernels.
+//
+// Everything here takes raw device pointers, sizes, strides (in elements) and a cudaStream_t,
+// and includes only the CUDA runtime header, so the kernel sources compile with nvcc alone and
+// the torch glue stays in binding.cpp. Every launcher only enqueues work on `stream`: it never
+// synchronizes and never allocates; the caller checks cudaGetLastError() after each call.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace neo_cuda {
+
+// Element types of activations, weights and caches.
+enum class DataType { Float32, Float16, BFloat16 };
+
+// ---- paged decode attention ---------------------------------------------------------------
+
+// KV tokens one thread block attends to; longer sequences are split into partitions whose
+// partial results are merged by launch_paged_decode_attention_merge.
+constexpr int kDecodePartitionSize = 512;
+
+struct PagedDecodeAttentionParams {
+  void* out;                  // [num_seqs, num_heads, head_dim]
+  const void* q;              // [num_seqs, num_heads, head_dim], contiguous
+  const void* k_cache;        // [num_blocks, num_kv_heads, block_size, head_dim], contiguous
+  const void* v_cache;        // same shape as k_cache
+  const int32_t* block_table; // [num_seqs, block_table_stride]
+  const int32_t* seq_lens;    // [num_seqs]
+  // Scratch for split sequences, float32; unused (may be null) when max_partitions == 1.
+  float* partial_out;         // [num_seqs, num_heads, max_partitions, head_dim]
+  float* partial_max;         // [num_seqs, num_heads, max_partitions] (log2 domain)
+  float* partial_sum;         // [num_seqs, num_heads, max_partitions]
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;               // a multiple of 16, at most 256
+  int block_size;             // a power of two, 8..128
+  int block_table_stride;     // elements between rows of block_table
+  int max_partitions;         // ceil(max_blocks_per_seq * block_size / kDecodePartitionSize)
+  float scale;                // softmax scale applied to q . k
+};
+
+// Number of partitions the grid must cover for a block table of `max_blocks_per_seq` columns.
+inline int decode_partition_count(int64_t max_blocks_per_seq, int block_size) {
+  const int64_t tokens = max_blocks_per_seq * block_size;
+  const int64_t partitions = (tokens + kDecodePartitionSize - 1) / kDecodePartitionSize;
+  return partitions < 1 ? 1 : static_cast<int>(partitions);
+}
+
+// Attention of each partition; sequences with a single partition write `out` directly.
+void launch_paged_decode_attention(const PagedDecodeAttentionParams& params, DataType dtype,
+                                   cudaStream_t stream);
+
+// Log-sum-exp merge of the partitions of split sequences into `out`; launch only when
+// max_partitions > 1.
+void launch_paged_decode_attention_merge(const PagedDecodeAttentionParams& params, DataType dtype,
+                                         cudaStream_t stream);
+
+// ---- KV cache store -----------------------------------------------------------------------
+
+// key/value [num_tokens, num_kv_heads, head_dim] with the given token and head strides (last
+// dimension contiguous); caches [num_blocks, num_kv_heads, block_size, head_dim] contiguous.
+// `vectorized` requires every pointer and stride to be 16-byte aligned.
+void launch_store_kv_cache(const void* key, const void* value, void* k_cache, void* v_cache,
+                           const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads,
+                           int head_dim, int block_size, int64_t key_token_stride,
+                           int64_t key_head_stride, int64_t value_token_stride,
+                           int64_t value_head_stride, bool vectorized, DataType dtype,
+                           cudaStream_t stream);
+
+// ---- RMSNorm --------------------------------------------------------------------------------
+
+// out[t] = weight * rms_normalize(input[t]); rows of `hidden` contiguous elements, `*_stride`
+// elements apart. `weight_dtype` is the activation dtype or Float32.
+void launch_rms_norm(void* out, int64_t out_stride, const void* input, int64_t input_stride,
+                     const void* weight, int64_t num_tokens, int hidden, float epsilon,
+                     bool vectorized, DataType dtype, DataType weight_dtype, cudaStream_t stream);
+
+// residual[t] += input[t]; input[t] = weight * rms_normalize(residual[t]).
+void launch_fused_add_rms_norm(void* input, int64_t input_stride, void* residual,
+                               int64_t residual_stride, const void* weight, int64_t num_tokens,
+                               int hidden, float epsilon, bool vectorized, DataType dtype,
+                               DataType weight_dtype, cudaStream_t stream);
+
+// ---- rotary embedding -----------------------------------------------------------------------
+
+// In place on query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim] (strides in
+// elements, last dimension contiguous); cos_sin_cache float32 [max_positions, rotary_dim]
+// contiguous.
+void launch_rotary_embedding(const int64_t* positions, void* query, int64_t query_token_stride,
+                             int64_t query_head_stride, void* key, int64_t key_token_stride,
+                             int64_t key_head_stride, const float* cos_sin_cache,
+                             int64_t num_tokens, int num_heads, int num_kv_heads, int rotary_dim,
+                             DataType dtype, cudaStream_t stream);
+
+// ---- SiLU and multiply ----------------------------------------------------------------------
+
+// out[t, i] = silu(input[t, i]) * input[t, intermediate + i]; rows `*_stride` elements apart.
+void launch_silu_and_mul(void* out, int64_t out_stride, const void* input, int64_t input_stride,
+                         int64_t num_tokens, int intermediate, bool vectorized, DataType dtype,
+                         cudaStream_t stream);
+
+// ---- prefill attention (kernel of ours, used where flash attention does not apply) -------------
+
+// Causal attention within each packed prompt: q/out [T, num_heads, head_dim], k/v
+// [T, num_kv_heads, head_dim] (token and head strides in elements, last dimension contiguous),
+// cu_seqlens int32 [num_seqs + 1] on the device. head_dim at most kPrefillMaxHeadDim.
+constexpr int kPrefillMaxHeadDim = 256;
+
+void launch_prefill_attention(void* out, int64_t out_token_stride, int64_t out_head_stride,
+                              const void* q, int64_t q_token_stride, int64_t q_head_stride,
+                              const void* k, int64_t k_token_stride, int64_t k_head_stride,
+                              const void* v, int64_t v_token_stride, int64_t v_head_stride,
+                              const int32_t* cu_seqlens, int num_seqs, int64_t num_tokens,
+                              int num_heads, int num_kv_heads, int head_dim, float scale,
+                              DataType dtype, cudaStream_t stream);
+
+// ---- block swaps ----------------------------------------------------------------------------
+
+// Copies block mapping[i][0] of `src` to block mapping[i][1] of `dst` (blocks of `block_bytes`
+// bytes) with one cudaMemcpyAsync per run of consecutive pairs. `mapping` is host memory,
+// `num_pairs` rows of two int64; ids must already be validated.
+cudaError_t swap_blocks(const void* src, void* dst, int64_t block_bytes, const int64_t* mapping,
+                        int64_t num_pairs, cudaMemcpyKind kind, cudaStream_t stream);
+
+// Whether `pointer` lies in page-locked host memory (cudaHostAlloc / cudaHostRegister).
+bool is_pinned_host_memory(const void* pointer);
+
+}  // namespace neo_cuda
