@@ -22,22 +22,34 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
 
 
-def steady_throughput(finish_log: list[tuple[float, int]], low: float = 0.1, high: float = 0.9) -> float:
-    """Output tokens/s between the moments ``low`` and ``high`` of all output tokens were made.
+def steady_throughput(log: list[tuple[float, int]], cut_short: bool) -> float:
+    """Output tokens/s over the steady middle of an all-at-once run.
 
-    finish_log: (time, cumulative output tokens) after each iteration. Leaves out the
-    prefill-heavy start and the draining tail of an all-at-once run."""
-    total = finish_log[-1][1]
-    start = next(entry for entry in finish_log if entry[1] >= low * total)
-    end = next(entry for entry in finish_log if entry[1] >= high * total)
+    log: (seconds since start, cumulative output tokens) after each iteration. A run that
+    finished: between the moments 10% and 90% of its output tokens were made (leaving out the
+    prefill-heavy start and the draining tail). A run cut short by a time limit (its queue never
+    drained): from 20% of its duration to its end."""
+    if not log:
+        return 0.0
+    if cut_short:
+        start = next(entry for entry in log if entry[0] >= 0.2 * log[-1][0])
+        end = log[-1]
+    else:
+        total = log[-1][1]
+        start = next(entry for entry in log if entry[1] >= 0.1 * total)
+        end = next(entry for entry in log if entry[1] >= 0.9 * total)
     if end[0] <= start[0]:
         return 0.0
     return (end[1] - start[1]) / (end[0] - start[0])
 
 
 def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int, seed: int = 0,
-                          show_progress: bool = True, engine: LLMEngine | None = None) -> dict:
-    """Run the workload; returns a dict of figures (and ``summary``, a printable text)."""
+                          show_progress: bool = True, engine: LLMEngine | None = None,
+                          duration: float | None = None) -> dict:
+    """Run the workload; returns a dict of figures (and ``summary``, a printable text).
+
+    ``duration`` (seconds) stops the run early, aborting what is left; the figures then cover
+    what ran and the steady throughput its saturated part."""
     requests = parse_workload(workload, num_requests, seed=seed)
     owns_engine = engine is None
     engine = engine or LLMEngine(config)
@@ -55,7 +67,12 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
     log: list[tuple[float, int]] = []
     prompt_tokens = output_tokens = finished = 0
     start = time.perf_counter()
+    cut_short = False
     while engine.has_unfinished_requests():
+        if duration is not None and time.perf_counter() - start > duration:
+            cut_short = True
+            engine.abort_all()
+            break
         for output in engine.step():
             output_tokens += 1
             if output.finished:
@@ -82,7 +99,9 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         "requests_per_s": finished / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "steady_output_tokens_per_s": steady_throughput(log),
+        "steady_output_tokens_per_s": steady_throughput(log, cut_short),
+        "cut_short": cut_short,
+        "finished_requests": finished,
         "gpu_kv_pool_gib": engine.layout.num_gpu_blocks * block_gib,
         "cpu_kv_pool_gib": engine.layout.num_cpu_blocks * block_gib,
         "gpu_kv_peak_gib": peak_blocks[KVLocation.GPU] * block_gib,
@@ -93,7 +112,8 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
     result["summary"] = (
         f"{config.model} [{config.policy}] on {result['device']}, {workload}, {len(requests)} requests\n"
         f"  {result['requests_per_s']:.3f} requests/s, {result['output_tokens_per_s']:.1f} output tokens/s, "
-        f"{result['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s)\n"
+        f"{result['total_tokens_per_s']:.1f} total tokens/s ({elapsed:.1f} s"
+        f"{', stopped at the time limit' if cut_short else ''})\n"
         f"  steady-state output tokens/s: {result['steady_output_tokens_per_s']:.1f}\n"
         f"  KV pools: GPU {result['gpu_kv_pool_gib']:.2f} GiB (peak used {result['gpu_kv_peak_gib']:.2f}), "
         f"host {result['cpu_kv_pool_gib']:.2f} GiB (peak used {result['cpu_kv_peak_gib']:.2f})\n"

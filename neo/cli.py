@@ -73,7 +73,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import run_offline_benchmark
 
     result = run_offline_benchmark(engine_config_from_args(args), args.workload, args.num_requests,
-                                   seed=args.workload_seed, show_progress=not args.json)
+                                   seed=args.workload_seed, show_progress=not args.json,
+                                   duration=args.duration)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="synthetic:input=N,output=M or azure-code")
     bench.add_argument("--num-requests", type=int, default=200)
     bench.add_argument("--workload-seed", type=int, default=0)
+    bench.add_argument("--duration", type=float, default=None,
+                       help="stop after this many seconds (steady throughput is still reported)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(handler=_bench)
 

@@ -165,6 +165,13 @@ class LLMEngine:
         self.metrics.requests_aborted += 1
         return True
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request; returns how many there were."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return len(request_ids)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -53,6 +53,17 @@ def _pin(tensor: torch.Tensor) -> None:
                            f"cpu_kv_cache_gib or raise the locked-memory limit (ulimit -l)")
 
 
+def _allocate(pool: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool (unused slots then hold finite values); a clear error when it does not fit."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, torch.OutOfMemoryError) as error:
+        size = torch.Size(shape).numel() * dtype.itemsize / GIB
+        setting = "gpu_kv_cache_gib" if pool == "GPU" else "cpu_kv_cache_gib"
+        raise ValueError(f"the {pool} KV pool of {size:.1f} GiB cannot be allocated on {device} "
+                         f"({error.__class__.__name__}); lower {setting}") from None
+
+
 class KVCache:
     """Per-layer K and V caches in both pools, ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 
@@ -63,8 +74,8 @@ class KVCache:
     def __init__(self, layout: CacheLayout, device: torch.device):
         self.layout = layout
         self.device = device
-        self.gpu = torch.empty(layout.pool_shape(layout.num_gpu_blocks), dtype=layout.dtype, device=device)
-        self.cpu = torch.empty(layout.pool_shape(layout.num_cpu_blocks), dtype=layout.dtype)
+        self.gpu = _allocate("GPU", layout.pool_shape(layout.num_gpu_blocks), layout.dtype, device)
+        self.cpu = _allocate("host", layout.pool_shape(layout.num_cpu_blocks), layout.dtype, torch.device("cpu"))
         if device.type == "cuda" and layout.num_cpu_blocks:
             logger.info("page-locking the %.1f GiB host KV cache", self.cpu.numel() * self.cpu.element_size() / GIB)
             _pin(self.cpu)

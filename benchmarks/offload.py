@@ -1,0 +1,162 @@
+"""Offline throughput of gpu-only, neo and full-offload side by side, same workloads and budgets.
+
+Scenarios (dummy weights, bf16; see ``SCENARIOS``):
+
+- ``32b-poor``: Qwen2.5-32B shapes, 2 GiB GPU KV pool, 64 GiB host pool, synthetic 500/500 and
+  1000/300;
+- ``8b-poor``: Llama-3.1-8B shapes, 2 GiB GPU KV pool, input 1000 with outputs 50 to 400;
+- ``8b-full``: Llama-3.1-8B with the whole GPU, the Azure code trace and synthetic 1000/300;
+- ``32b-threads``: the 32B memory-poor setting with 4, 8 and 15 host attention threads.
+
+Each run submits all requests at once and reports the steady throughput (``neo.bench``); runs
+can be capped in time (``--duration``) so that a sweep fits a session. From the per-iteration
+trace of the offloading policies it also reports the scheduler's accuracy (median
+|predicted - measured| / measured iteration time) and, for two-sub-batch iterations, how much of
+the host attention hid under GPU work (1 - GPU idle / host busy) and the GPU idle time.
+
+    python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+
+from neo import EngineConfig, LLMEngine
+from neo.bench import run_offline_benchmark
+
+POLICIES = ("gpu-only", "neo", "full-offload")
+
+SCENARIOS = {
+    "32b-poor": dict(model="qwen2.5-32b", gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0,
+                     workloads=["synthetic:input=500,output=500", "synthetic:input=1000,output=300"]),
+    "8b-poor": dict(model="llama-3.1-8b", gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0,
+                    workloads=[f"synthetic:input=1000,output={output}" for output in (50, 100, 200, 300, 400)]),
+    "8b-full": dict(model="llama-3.1-8b", gpu_kv_cache_gib=None, cpu_kv_cache_gib=64.0, max_model_len=8192,
+                    workloads=["azure-code", "synthetic:input=1000,output=300"]),
+    "32b-threads": dict(model="qwen2.5-32b", gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0,
+                        workloads=["synthetic:input=500,output=500"], threads=(4, 8, 15),
+                        policies=("gpu-only", "neo")),
+}
+
+
+def trace_statistics(records: list[dict]) -> dict:
+    """Scheduler accuracy and overlap from an engine's per-iteration trace."""
+    timed = [r for r in records if r["predicted_seconds"] and r["measured_seconds"] > 0]
+    errors = [abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"] for r in timed]
+    two = [r for r in records if r["num_sub_batches"] == 2 and r["gpu_busy_seconds"] is not None]
+    one = [r for r in records if r["num_sub_batches"] == 1 and r["gpu_busy_seconds"] is not None]
+
+    def idle(record):
+        return max(0.0, record["measured_seconds"] - record["gpu_busy_seconds"])
+
+    host_busy = sum(r["cpu_busy_seconds"] for r in two)
+    gpu_idle_two = sum(idle(r) for r in two)
+    return {
+        "iterations": len(records),
+        "two_batch_iterations": len(two),
+        "median_relative_prediction_error": statistics.median(errors) if errors else None,
+        "hidden_host_attention_share": (max(0.0, 1 - gpu_idle_two / host_busy) if host_busy else None),
+        "gpu_idle_fraction_two_batch": gpu_idle_two / sum(r["measured_seconds"] for r in two) if two else None,
+        "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
+                                        if one else None),
+        "mean_two_batch_iteration_s": statistics.mean(r["measured_seconds"] for r in two) if two else None,
+    }
+
+
+def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, duration: float | None) -> list[dict]:
+    """One engine for the policy, every workload in turn (the pools are empty between them)."""
+    results = []
+    with tempfile.TemporaryDirectory() as directory:
+        config = dataclasses.replace(base, trace_path=os.path.join(directory, "trace.json"))
+        engine = LLMEngine(config)
+        try:
+            for workload in workloads:
+                if engine.trace is not None:
+                    engine.trace.records.clear()
+                result = run_offline_benchmark(config, workload, num_requests, engine=engine,
+                                               duration=duration, show_progress=True)
+                records = [dataclasses.asdict(r) for r in engine.trace.records] if engine.trace else []
+                result["trace"] = trace_statistics(records)
+                result.pop("summary")
+                print(f"  {workload}: {result['steady_output_tokens_per_s']:.1f} steady output tokens/s, "
+                      f"{result['output_tokens_per_s']:.1f} overall; trace {result['trace']}", flush=True)
+                results.append(result)
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    parser.add_argument("--policies", default=None, help="comma-separated subset of gpu-only,neo,full-offload")
+    parser.add_argument("--workloads", default=None, help="';'-separated workloads instead of the scenario's")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=None, help="seconds per run at most")
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the scenario's, else 4096")
+    parser.add_argument("--perf-model", default="auto")
+    parser.add_argument("--model", default=None, help="override the scenario's model")
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=None, help="override the scenario's host pool")
+    parser.add_argument("--output-dir", default=".")
+    args = parser.parse_args()
+
+    scenario = SCENARIOS[args.scenario]
+    policies = args.policies.split(",") if args.policies else list(scenario.get("policies", POLICIES))
+    workloads = args.workloads.split(";") if args.workloads else scenario["workloads"]
+    base = EngineConfig(model=args.model or scenario["model"], load_format="dummy", dtype="bfloat16",
+                        gpu_kv_cache_gib=scenario["gpu_kv_cache_gib"],
+                        cpu_kv_cache_gib=args.cpu_kv_cache_gib or scenario["cpu_kv_cache_gib"],
+                        max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
+                        perf_model=args.perf_model)
+    runs = []
+    for threads in scenario.get("threads", (None,)):
+        for policy in policies:
+            config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads)
+            print(f"{args.scenario}: {policy}" + (f", {threads} host threads" if threads else ""), flush=True)
+            for result in run_policy(config, workloads, args.num_requests, args.duration):
+                runs.append({"policy": policy, "threads": threads, **result})
+    report = {
+        "scenario": args.scenario,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": runs[0]["device"] if runs else None,
+        "host_cpus": os.cpu_count(),
+        "arguments": vars(args),
+        "runs": runs,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"offload-{args.scenario}.json")
+    with open(path, "w") as file:
+        json.dump(report, file, indent=1, default=str)
+    print(f"\n{args.scenario} on {report['device']} ({report['date']})")
+    print(f"{'workload':<34} {'policy':<13} {'thr':>4} {'steady tok/s':>13} {'vs gpu-only':>11} {'2-batch':>8} "
+          f"{'pred err':>9} {'hidden':>7}")
+    for run in runs:
+        baseline = next((r for r in runs if r["policy"] == "gpu-only" and r["workload"] == run["workload"]), None)
+        ratio = (run["steady_output_tokens_per_s"] / baseline["steady_output_tokens_per_s"]
+                 if baseline and baseline["steady_output_tokens_per_s"] else float("nan"))
+        trace = run["trace"]
+        metrics = run["metrics"]
+        share = metrics["two_batch_iterations"] / metrics["iterations"] if metrics["iterations"] else 0.0
+        error = trace["median_relative_prediction_error"]
+        hidden = trace["hidden_host_attention_share"]
+        print(f"{run['workload']:<34} {run['policy']:<13} {run['threads'] or '-':>4} "
+              f"{run['steady_output_tokens_per_s']:13.1f} {ratio:11.2f} {share:8.2f} "
+              f"{'-' if error is None else f'{error:.3f}':>9} {'-' if hidden is None else f'{hidden:.2f}':>7}")
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()
