@@ -8,42 +8,15 @@ requests are preempted (gpu-only) or decode on the host (neo, full-offload).
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
-from neo.models.tiny import save_tiny
 from neo.request import KVLocation
 
-NEW_TOKENS = 32
-BLOCK_BYTES = 2 * 4 * 2 * 16 * 32 * 4  # neo-tiny float32: K+V, 4 layers, 2 KV heads, 16 x 32
-PROMPTS = [[257, 72, 101, 108, 108, 111], [257] + list(range(60, 97)), [257], list(range(40, 80)) * 2,
-           [257, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
-
-
-def gib_for_blocks(blocks: int) -> float:
-    return blocks * BLOCK_BYTES / 2**30
-
 
 @pytest.fixture(scope="module")
-def transformers_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("neo-tiny")
-    save_tiny(str(directory))
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def expected(transformers_model):
-    """Greedy continuations by recomputing transformers' logits over the whole sequence."""
-    results = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            tokens = list(prompt)
-            for _ in range(NEW_TOKENS):
-                logits = transformers_model(torch.tensor([tokens])).logits[0, -1]
-                tokens.append(int(logits.argmax()))
-            results.append(tokens[len(prompt):])
-    return results
+def expected(tmp_path_factory):
+    return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))))
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, test and benchmark neo, results in one folder.
+#
+#   bash benchmarks/gpu_session.sh STAGE [STAGE...]
+#
+# Stages:
+#   build        build the CPU (ISPC) and CUDA extensions (or reuse prebuilt ones, see below)
+#   ops-tests    every op test on CUDA and on this host's CPU (ISPC), CUDA extras, opcheck
+#   sanitizer    compute-sanitizer memcheck over the attention, KV-store and swap CUDA tests
+#   kernels      CUDA kernel benchmark (vs SDPA, vs copy bandwidth) and the CPU decode-attention
+#                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
+#   engine-tests the engine on CUDA: float32 tokens vs CPU and transformers, bf16 logits
+#   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
+#   profile-32b / profile-8b   stage-time tables for the load-aware scheduler
+#   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
+#   online       latency vs load through the HTTP server
+#
+# Results go to $OUT (else results/raw): session.log, results.tar.gz (every JSON/log/plot) and
+# the built extensions (prebuilt-*.so). Carrying a folder .carry/prebuilt with those .so files
+# skips the compile; .carry/ispc holds ISPC (install.sh + the .xz) for building the CPU kernel.
+# Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-results/raw}
+mkdir -p "$out/files"
+exec > >(tee -a "$out/session.log") 2>&1
+export PYTHONUNBUFFERED=1
+seconds=${SECONDS_PER_RUN:-60}
+requests=${NUM_REQUESTS:-256}
+echo "== $(date -Is) $(hostname) stages: $*"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+python3 -c 'import torch, os; print("torch", torch.__version__, "cuda", torch.version.cuda, "cpus", os.cpu_count())'
+
+run() {  # run NAME COMMAND...: log it, keep going on failure, remember the status
+  local name=$1; shift
+  echo "== [$name] $*"
+  local start=$SECONDS
+  "$@"
+  local status=$?
+  echo "== [$name] exit $status after $((SECONDS - start)) s"
+  [ $status -eq 0 ] || failures+=("$name")
+}
+failures=()
+
+stage_build() {
+  if ls .carry/prebuilt/*.so >/dev/null 2>&1; then
+    cp .carry/prebuilt/*.so ops/
+    run install env NEO_BUILD_CUDA=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+  else
+    if [ -f .carry/ispc/install.sh ]; then
+      ISPC=$(bash .carry/ispc/install.sh /tmp/neo-ispc); export ISPC
+    fi
+    run build env NEO_BUILD_CUDA=1 MAX_JOBS=16 python3 -m pip install --no-deps --no-build-isolation --no-index -e . -v
+    for library in ops/*.so; do cp "$library" "$out/prebuilt-$(basename "$library")"; done
+  fi
+  python3 -m neo.ops | tee "$out/files/ops.txt"
+}
+
+stage_ops_tests() {
+  run ops-cuda python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_paged_decode_attention.py \
+    tests/test_store_kv_cache.py tests/test_swap_blocks.py tests/test_layer_ops.py tests/test_opcheck.py \
+    tests/test_op_registry.py --junitxml="$out/files/ops-tests.xml"
+}
+
+stage_sanitizer() {
+  run sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_cuda_kernels.py -k "decode or store or swap" -x
+}
+
+stage_kernels() {
+  run cuda-kernels python3 benchmarks/cuda_kernels.py --json "$out/files/cuda_kernels.json"
+  run cpu-attention python3 -m pytest -q -p no:cacheprovider benchmarks/test_bench_decode_attention.py \
+    --benchmark-only --benchmark-json="$out/files/cpu_attention.json"
+}
+
+stage_engine_tests() {
+  run engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py
+}
+
+stage_engine() {
+  run roofline python3 benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024 \
+    --json "$out/files/engine_roofline.json"
+  for workload in "synthetic:input=1000,output=300" "azure-code"; do
+    run "bench-$workload" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 \
+      --workload "$workload" --num-requests "$requests" --duration "$seconds" --json \
+      > "$out/files/bench-8b-${workload%%:*}.json"
+  done
+}
+
+profile() {  # profile NAME MODEL GPU_GIB
+  run "profile-$1" neo profile --model "$2" --load-format dummy --dtype bfloat16 --gpu-kv-cache-gib "$3" \
+    --cpu-kv-cache-gib 64 --max-num-seqs 512 --max-model-len 4096 --output "$out/files/perf-$1.json"
+  mkdir -p .carry/perf && cp "$out/files/perf-$1.json" ".carry/perf/$1.json"
+}
+stage_profile_32b() { profile 32b qwen2.5-32b 2; }
+stage_profile_8b() { profile 8b llama-3.1-8b 2; }
+
+offload() {  # offload SCENARIO PERF_TABLE [extra arguments]
+  local scenario=$1 table=$2; shift 2
+  local perf=auto
+  [ -f "$table" ] && perf=$table
+  run "offload-$scenario" python3 benchmarks/offload.py --scenario "$scenario" --duration "$seconds" \
+    --num-requests "$requests" --perf-model "$perf" --output-dir "$out/files" "$@"
+}
+stage_offload_32b() { offload 32b-poor .carry/perf/32b.json; }
+stage_offload_8b_poor() { offload 8b-poor .carry/perf/8b.json; }
+stage_offload_8b_full() { offload 8b-full auto; }
+stage_offload_threads() { offload 32b-threads auto; }
+
+stage_online() {
+  run online python3 benchmarks/online.py --output-dir "$out/files" ${ONLINE_ARGS:-}
+}
+
+for stage in "$@"; do
+  function="stage_${stage//-/_}"
+  if ! declare -F "$function" >/dev/null; then
+    echo "unknown stage $stage"; failures+=("$stage"); continue
+  fi
+  "$function"
+done
+tar -czf "$out/results.tar.gz" -C "$out" files
+echo "== done $(date -Is); failed: ${failures[*]:-none}"
+[ ${#failures[@]} -eq 0 ]

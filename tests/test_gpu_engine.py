@@ -1,0 +1,110 @@
+"""The engine on a CUDA device (skipped without CUDA).
+
+- float32: the GPU engine's greedy tokens equal the CPU engine's and transformers', for every
+  policy, with GPU pools small enough that requests are preempted or decode on the host;
+- bfloat16: with the same tokens forced into every policy, the logits of gpu-only and the
+  offloading policies agree within bf16 rounding, decode after decode.
+"""
+
+import pytest
+import torch
+
+from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
+from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA is not available (torch.cuda.is_available() is False)")
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SETTINGS = {
+    "gpu-only": dict(policy="gpu-only", gpu_blocks=1024),
+    "gpu-only-preempting": dict(policy="gpu-only", gpu_blocks=8),
+    "neo": dict(policy="neo", gpu_blocks=10),
+    "full-offload": dict(policy="full-offload", gpu_blocks=10),
+}
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))))
+
+
+def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True):
+    llm = LLM("neo-tiny", device=device, dtype="float32", policy=policy,
+              gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
+              perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        return [o.outputs[0].token_ids for o in outputs], llm.get_metrics()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_gpu_engine_equals_cpu_engine_float32(cuda_graphs):
+    gpu_tokens, _ = generate("cuda", "gpu-only", 1024, cuda_graphs)
+    cpu_tokens, _ = generate("cpu", "gpu-only", 1024)
+    assert gpu_tokens == cpu_tokens
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_policies_equal_transformers_on_gpu_float32(setting, expected):
+    tokens, metrics = generate("cuda", SETTINGS[setting]["policy"], SETTINGS[setting]["gpu_blocks"])
+    assert tokens == expected
+    if setting == "gpu-only-preempting":
+        assert metrics["blocks_swapped_out"] > 0 and metrics["blocks_swapped_in"] > 0
+    if SETTINGS[setting]["policy"] != "gpu-only":
+        assert metrics["cpu_decode_tokens"] > 0 and metrics["two_batch_iterations"] > 0
+
+
+def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps: int):
+    """Run the prompts for ``steps`` iterations in bf16, forcing the tokens in ``script``;
+    returns {(prompt index, token index): logits row}."""
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="bfloat16", policy=policy,
+                                    gpu_kv_cache_gib=gib_for_blocks(gpu_blocks, 2 * 4 * 2 * 16 * 32 * 2),
+                                    cpu_kv_cache_gib=gib_for_blocks(256, 2 * 4 * 2 * 16 * 32 * 2),
+                                    perf_model="zero", max_num_seqs=8, use_cuda_graphs=False))
+    recorded = {}
+    requests = {}
+    current = []  # the requests of the iteration being executed, in logits-row order
+    execute = engine.runner.execute
+
+    def execute_recording_order(plan):
+        current[:] = plan.requests
+        return execute(plan)
+
+    def sampler(logits, params, generators):
+        tokens = []
+        for row, request in zip(logits, current):
+            index = requests[request.request_id]
+            position = request.num_output_tokens
+            recorded[(index, position)] = row.float().cpu()
+            tokens.append(script[index][position])
+        return torch.tensor(tokens, device=logits.device)
+
+    try:
+        for index, prompt in enumerate(PROMPTS):
+            request = engine.add_request(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+            requests[request.request_id] = index
+        engine.runner.sampler = sampler
+        engine.runner.execute = execute_recording_order
+        while engine.has_unfinished_requests():
+            engine.step()
+        metrics = engine.metrics.as_dict()
+    finally:
+        engine.close()
+    return recorded, metrics
+
+
+def test_policies_agree_on_logits_in_bf16():
+    steps = 12
+    script = {index: [(31 * index + 7 * step) % 250 + 3 for step in range(steps)] for index in range(len(PROMPTS))}
+    reference, _ = run_forced("gpu-only", 1024, script, steps)
+    for policy in ("neo", "full-offload"):
+        logits, metrics = run_forced(policy, 10, script, steps)
+        assert metrics["cpu_decode_tokens"] > 0
+        assert logits.keys() == reference.keys()
+        for key, row in logits.items():
+            expected_row = reference[key]
+            error = (row - expected_row).abs().max() / expected_row.abs().max()
+            assert error < 3e-2, f"{policy}: logits of prompt {key[0]} token {key[1]} differ by {error:.3g}"
