@@ -87,6 +87,9 @@ class EngineConfig:
 
     @property
     def compute_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        """The compute device, with its index when it is a GPU."""
+        device = torch.device(self.device if self.device is not None
+                              else "cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
