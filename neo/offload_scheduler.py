@@ -159,8 +159,8 @@ class OffloadScheduler(Scheduler):
             request = self.waiting[0]
             if request.num_tokens > budget:
                 break
-            if not self.full_offload and manager.can_allocate(request.num_tokens, GPU,
-                                                              reserve=self.watermark_blocks):
+            reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
+            if not self.full_offload and manager.can_allocate(request.num_tokens, GPU, reserve=reserve):
                 location = GPU
             elif manager.can_allocate(request.num_tokens + 1, CPU):
                 location = CPU

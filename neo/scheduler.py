@@ -128,7 +128,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_tokens > budget:
                 break
-            if not manager.can_allocate(request.num_tokens, GPU, reserve=self.watermark_blocks):
+            reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
+            if not manager.can_allocate(request.num_tokens, GPU, reserve=reserve):
                 break
             self.waiting.popleft()
             manager.allocate(request, GPU)

@@ -161,3 +161,14 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
         if request.finish_reason == "length" and request.num_output_tokens < request.sampling_params.max_tokens:
             # ended early only because it alone outgrew the GPU pool
             assert manager.blocks_for(request.num_tokens + 1) > num_gpu_blocks
+
+
+def test_a_prompt_that_needs_the_whole_pool_is_admitted_when_alone():
+    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=256)
+    manager = BlockManager(num_gpu_blocks=3, num_cpu_blocks=0, block_size=8)
+    scheduler = Scheduler(config, manager)
+    requests = [make_request(i, prompt_len=23, max_tokens=1) for i in range(2)]
+    for request in requests:
+        scheduler.add(request)
+    run_to_completion(scheduler, requests)
+    assert all(r.num_output_tokens == 1 for r in requests)

@@ -1,0 +1,803 @@
+"""The OpenAI-compatible server, through a real uvicorn server on a loopback port (CPU, neo-tiny).
+
+Two servers run for the module: neo-tiny with its tokenizer (gpu-only policy), and neo-tiny
+saved as a directory without ``tokenizer.json`` (neo policy, a GPU pool of 4 blocks, so
+requests decode on the host). Expected outputs come from ``LLM.generate`` on a separate
+engine. Every network call has a timeout and every server start is bounded, so a stuck
+server fails the test instead of hanging it.
+"""
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.models.tiny import save_tiny
+from neo.server.app import build_app
+from neo.server.async_engine import AsyncEngine
+from neo.server.detokenizer import IncrementalDetokenizer
+from neo.server.streaming import sse_event
+from neo.tokenizer import Tokenizer
+
+HTTP_TIMEOUT = httpx.Timeout(60.0)
+TEST_TIMEOUT_SECONDS = 120
+BLOCK_BYTES = 2 * 4 * 2 * 16 * 32 * 4  # neo-tiny float32: K+V, 4 layers, 2 KV heads, 16 x 32
+TINY_OPTIONS = dict(device="cpu", gpu_kv_cache_gib=1024 * BLOCK_BYTES / 2**30,
+                    cpu_kv_cache_gib=256 * BLOCK_BYTES / 2**30)
+TOKENLESS_OPTIONS = dict(device="cpu", policy="neo", perf_model="zero",
+                         gpu_kv_cache_gib=4 * BLOCK_BYTES / 2**30,
+                         cpu_kv_cache_gib=64 * BLOCK_BYTES / 2**30)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, TEST_TIMEOUT_SECONDS))
+
+
+# -- servers -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LiveServer:
+    url: str
+    async_engine: AsyncEngine
+    model: str
+
+
+@contextlib.contextmanager
+def live_server(model: str, options: dict):
+    """uvicorn serving ``model`` on a free loopback port, in a thread of this process."""
+    async_engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **options)))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine), log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", async_engine, model)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        listener.close()
+        assert not thread.is_alive(), "the test server did not stop"
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with live_server("neo-tiny", TINY_OPTIONS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenless_directory(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("neo-tiny-no-tokenizer")
+    save_tiny(str(directory))
+    os.remove(directory / "tokenizer.json")
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenless_server(tokenless_directory):
+    with live_server(tokenless_directory, TOKENLESS_OPTIONS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    llm = LLM("neo-tiny", **TINY_OPTIONS)
+    yield llm
+    llm.close()
+
+
+# -- HTTP helpers --------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    status: int
+    chunks: list  # decoded JSON payloads, without [DONE]
+    done: bool  # [DONE] arrived
+    error_body: dict | None = None  # the JSON body of a non-200 response
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [token for chunk in self.chunks for choice in chunk["choices"]
+                for token in choice["token_ids"]]
+
+    @property
+    def text(self) -> str:
+        parts = []
+        for chunk in self.chunks:
+            for choice in chunk["choices"]:
+                parts.append(choice["delta"].get("content", "") if "delta" in choice else choice["text"])
+        return "".join(parts)
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [choice["finish_reason"] for chunk in self.chunks for choice in chunk["choices"]]
+        assert all(reason is None for reason in reasons[:-1]), reasons
+        return reasons[-1]
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict,
+                         stop_after: int | None = None) -> StreamResult:
+    """POST with ``stream``; reads SSE events strictly (``data: ...`` + blank line). With
+    ``stop_after``, the connection is dropped after that many events."""
+    async with client.stream("POST", path, json=body | {"stream": True}) as response:
+        if response.status_code != 200:
+            return StreamResult(response.status_code, [], False, json.loads(await response.aread()))
+        assert response.headers["content-type"].startswith("text/event-stream")
+        chunks, done, expect_blank = [], False, False
+        async for line in response.aiter_lines():
+            if expect_blank:
+                assert line == "", f"an event must end with a blank line, got {line!r}"
+                expect_blank = False
+                continue
+            assert line.startswith("data: ") and not done, f"unexpected line {line!r}"
+            expect_blank = True
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(data))
+                if stop_after is not None and len(chunks) >= stop_after:
+                    return StreamResult(200, chunks, False)
+        return StreamResult(200, chunks, done)
+
+
+def client_for(server: LiveServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.url, timeout=HTTP_TIMEOUT,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+def get(server: LiveServer, path: str) -> httpx.Response:
+    return httpx.get(server.url + path, timeout=HTTP_TIMEOUT)
+
+
+def post(server: LiveServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=HTTP_TIMEOUT)
+
+
+def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
+    """Strict parse of the text exposition format: ``{name: {sorted label items: value}}``.
+
+    Each family has one HELP and one TYPE line before its samples; counters end in _total.
+    """
+    name_pattern = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+    sample = re.compile(rf"^({name_pattern})(?:\{{(.*)\}})? (\S+)$")
+    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
+    families: dict[str, dict[tuple, float]] = {}
+    types: dict[str, str] = {}
+    helps: set[str] = set()
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split(" ")[2]
+            assert re.fullmatch(name_pattern, name) and name not in helps, line
+            helps.add(name)
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name in helps and name not in types, line
+            assert kind in ("counter", "gauge"), line
+            assert kind != "counter" or name.endswith("_total"), line
+            types[name] = kind
+            families[name] = {}
+        else:
+            match = sample.match(line)
+            assert match, f"not a sample line: {line!r}"
+            name, labels_text, value = match.groups()
+            assert name in types, f"sample before its TYPE line: {line!r}"
+            labels = tuple(sorted(label.findall(labels_text or "")))
+            assert labels not in families[name], f"duplicate sample: {line!r}"
+            families[name][labels] = float(value)
+    return families
+
+
+def metric(families, name: str, **labels) -> float:
+    return families[name][tuple(sorted(labels.items()))]
+
+
+async def wait_for_idle(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
+    """Poll /metrics until no request runs or waits and no KV block is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        families = parse_prometheus((await client.get("/metrics")).text)
+        busy = (metric(families, "neo_requests_running") + metric(families, "neo_requests_waiting")
+                + sum(families["neo_kv_cache_blocks_used"].values()))
+        if busy == 0:
+            return families
+        assert time.monotonic() < deadline, "the server did not become idle"
+        await asyncio.sleep(0.05)
+
+
+# -- outputs equal LLM.generate ------------------------------------------------------------------
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    alphabet = "abcdefghij klmnopqrstuvwxyz,.é日本🎉"
+    return "".join(rng.choice(alphabet) for _ in range(length))
+
+
+def generation_cases(seed: int) -> list[tuple[str, object, dict]]:
+    """(case name, prompt, request fields) with fresh random prompts."""
+    rng = random.Random(seed)
+    return [
+        ("text-greedy", random_text(rng, rng.randint(5, 30)),
+         dict(max_tokens=24, temperature=0)),
+        ("token-ids-greedy-ignore-eos", [rng.randrange(256) for _ in range(rng.randint(3, 40))],
+         dict(max_tokens=30, temperature=0, ignore_eos=True)),
+        ("text-seeded-sampling", random_text(rng, 12),
+         dict(max_tokens=20, temperature=0.8, top_k=40, top_p=0.9, seed=rng.randrange(2**31))),
+    ]
+
+
+def sampling_params(fields: dict) -> SamplingParams:
+    return SamplingParams(**{key: value for key, value in fields.items()
+                             if key not in ("return_token_ids", "stream_options")})
+
+
+def fetch_both(server: LiveServer, path: str, body: dict) -> tuple[dict, StreamResult]:
+    """The non-streamed response and the streamed one (with usage) of the same request."""
+    body = body | {"return_token_ids": True}
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text
+
+    async def streamed():
+        async with client_for(server) as client:
+            return await stream_request(client, path, body | {"stream_options": {"include_usage": True}})
+
+    stream = run(streamed())
+    assert stream.status == 200 and stream.done
+    return response.json(), stream
+
+
+def assert_stream_matches(stream: StreamResult, response: dict, expected_tokens: list[int],
+                          expected_text: str | None) -> None:
+    choice = response["choices"][0]
+    assert choice["token_ids"] == expected_tokens
+    assert stream.token_ids == expected_tokens
+    assert stream.chunks[-1]["choices"] == [] and stream.chunks[-1]["usage"] == response["usage"]
+    stream.chunks.pop()
+    assert all(chunk["usage"] is None for chunk in stream.chunks)
+    assert stream.finish_reason == choice["finish_reason"]
+    assert response["usage"]["completion_tokens"] == len(expected_tokens)
+    assert response["usage"]["total_tokens"] == (response["usage"]["prompt_tokens"]
+                                                 + len(expected_tokens))
+    if expected_text is not None:
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert text == expected_text
+        assert stream.text == expected_text
+
+
+@pytest.mark.parametrize("case", range(3), ids=["text-greedy", "token-ids-greedy-ignore-eos",
+                                                 "text-seeded-sampling"])
+def test_streamed_equals_non_streamed_equals_generate(case, seed, tiny_server, reference_llm):
+    _, prompt, fields = generation_cases(seed)[case]
+    expected = reference_llm.generate(prompt, sampling_params(fields))[0]
+    response, stream = fetch_both(tiny_server, "/v1/completions", dict(prompt=prompt, **fields))
+    tokenizer = reference_llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    assert response["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert response["model"] == "neo-tiny" and response["object"] == "text_completion"
+    assert_stream_matches(stream, response, expected.outputs[0].token_ids, expected.outputs[0].text)
+
+
+def test_stop_string_cuts_streamed_and_non_streamed_text_alike(seed, tiny_server, reference_llm):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(10)]
+    free_run = reference_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                             ignore_eos=True))[0].outputs[0].text
+    # A two-character stop string from the middle of the text (no replacement characters).
+    start = next(index for index in range(8, len(free_run) - 1)
+                 if "\ufffd" not in free_run[index:index + 2])
+    stop = free_run[start:start + 2]
+    fields = dict(max_tokens=40, temperature=0, ignore_eos=True, stop=stop)
+    expected = reference_llm.generate(prompt, sampling_params(fields))[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    response, stream = fetch_both(tiny_server, "/v1/completions", dict(prompt=prompt, **fields))
+    assert_stream_matches(stream, response, expected.token_ids, expected.text)
+    assert response["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_completion_uses_the_chat_template(tiny_server, reference_llm):
+    messages = [{"role": "system", "content": "answer briefly"},
+                {"role": "user", "content": "héllo wörld 日本"}]
+    tokenizer = reference_llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered == "<|begin_of_text|>system: answer briefly\nuser: héllo wörld 日本\nassistant: "
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    expected = reference_llm.generate(prompt_ids, SamplingParams(max_tokens=20, temperature=0))[0]
+    body = dict(model="neo-tiny", messages=messages, max_tokens=20, temperature=0)
+    response, stream = fetch_both(tiny_server, "/v1/chat/completions", body)
+    assert response["object"] == "chat.completion"
+    assert response["choices"][0]["message"]["role"] == "assistant"
+    assert response["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert stream.chunks[0]["object"] == "chat.completion.chunk"
+    assert stream.chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert_stream_matches(stream, response, expected.outputs[0].token_ids, expected.outputs[0].text)
+    # Content given as text parts renders the same prompt.
+    parts = [{"role": message["role"], "content": [{"type": "text", "text": message["content"]}]}
+             for message in messages]
+    again = post(tiny_server, "/v1/chat/completions", body | {"messages": parts}).json()
+    assert again["choices"][0]["message"]["content"] == expected.outputs[0].text
+
+
+def test_neo_policy_streams_from_the_host_pool(seed, tokenless_server, reference_llm):
+    """Token-id prompts on a model without tokenizer; with a 4-block GPU pool most requests
+    decode on the host CPU. Concurrent streams still equal LLM.generate."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [output.outputs[0].token_ids for output in reference_llm.generate(prompts, params)]
+    body = dict(model=tokenless_server.model, max_tokens=16, temperature=0, ignore_eos=True,
+                return_token_ids=True)
+
+    async def main():
+        async with client_for(tokenless_server) as client:
+            before = parse_prometheus((await client.get("/metrics")).text)
+            streams = await asyncio.gather(*(stream_request(client, "/v1/completions",
+                                                            body | {"prompt": prompt})
+                                             for prompt in prompts))
+            plain = await client.post("/v1/completions", json=body | {"prompt": prompts[0]})
+            after = await wait_for_idle(client)
+            return before, streams, plain.json(), after
+
+    before, streams, plain, after = run(main())
+    assert [stream.token_ids for stream in streams] == expected
+    assert all(stream.done and stream.text == "" for stream in streams)
+    assert plain["choices"][0]["token_ids"] == expected[0] and plain["choices"][0]["text"] == ""
+    cpu_tokens = (metric(after, "neo_cpu_decode_tokens_total")
+                  - metric(before, "neo_cpu_decode_tokens_total"))
+    assert cpu_tokens > 0
+    info = dict(next(iter(after["neo_engine_info"])))
+    assert (info["model"], info["policy"]) == (tokenless_server.model, "neo")
+
+
+# -- many clients, some leaving ------------------------------------------------------------------
+
+
+def test_many_streams_with_disconnects_leave_no_blocks(seed, tiny_server):
+    """200 concurrent streams; every fourth client drops its connection after two chunks.
+    The others complete, nothing errs, and afterwards no KV block is in use."""
+    rng = random.Random(seed)
+    num_clients, max_tokens = 200, 8
+
+    async def client_task(client, index):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 20))]
+        leaves = index % 4 == 0
+        # Leaving requests could never finish in this test's time: they must be aborted.
+        body = dict(prompt=prompt, temperature=0, ignore_eos=True, return_token_ids=True,
+                    max_tokens=4000 if leaves else max_tokens)
+        return leaves, await stream_request(client, "/v1/completions", body,
+                                            stop_after=2 if leaves else None)
+
+    async def main():
+        async with client_for(tiny_server) as client:
+            before = parse_prometheus((await client.get("/metrics")).text)
+            results = await asyncio.gather(*(client_task(client, index)
+                                             for index in range(num_clients)))
+            after = await wait_for_idle(client)
+            return before, results, after
+
+    before, results, after = run(main())
+    staying = [result for leaves, result in results if not leaves]
+    leaving = [result for leaves, result in results if leaves]
+    assert len(staying) == 150 and len(leaving) == 50
+    assert all(result.status == 200 for _, result in results)
+    for result in staying:
+        assert result.done and result.finish_reason == "length"
+        assert len(result.token_ids) == max_tokens
+    assert all(len(result.chunks) == 2 for result in leaving)
+
+    def delta(name):
+        return metric(after, name) - metric(before, name)
+
+    assert delta("neo_requests_aborted_total") == len(leaving)
+    assert delta("neo_requests_finished_total") == len(staying)
+    assert metric(after, "neo_kv_cache_blocks_used", pool="gpu") == 0
+    assert metric(after, "neo_kv_cache_usage_ratio", pool="gpu") == 0
+    engine = tiny_server.async_engine.engine
+    assert all(pool.num_used == 0 for pool in engine.block_manager.pools.values())
+    assert not engine.has_unfinished_requests()
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ERROR_CASES = {
+    # name: (path, raw body or JSON body, status, message fragment, param)
+    "malformed-json": (COMPLETIONS, b'{"prompt": "hi",', 400, "not valid JSON", None),
+    "not-an-object": (COMPLETIONS, b"[1, 2]", 400, "must be a JSON object", None),
+    "unknown-field": (COMPLETIONS, {"prompt": "hi", "max_token": 5}, 400,
+                      "unknown field 'max_token'", "max_token"),
+    "missing-prompt": (COMPLETIONS, {"max_tokens": 5}, 400, "missing field 'prompt'", "prompt"),
+    "wrong-type": (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, 400,
+                   "field 'max_tokens'", "max_tokens"),
+    "max-tokens-zero": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400,
+                        "max_tokens must be an integer >= 1, got 0", None),
+    "negative-temperature": (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}, 400,
+                             "temperature must be >= 0", None),
+    "top-p-above-one": (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400,
+                        "top_p must be in (0, 1]", None),
+    "bad-top-k": (COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, "top_k must be -1, 0", None),
+    "empty-stop-string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400,
+                          "stop strings must be non-empty", None),
+    "seed-out-of-range": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400,
+                          "seed must fit in 64 bits", "seed"),
+    "n-two": (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n must be 1", "n"),
+    "stream-options-without-stream": (COMPLETIONS, {"prompt": "hi", "stream_options": {
+        "include_usage": True}}, 400, "only allowed when stream is true", "stream_options"),
+    "unsupported-penalty": (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, 400,
+                            "'presence_penalty' is not supported", "presence_penalty"),
+    "batched-prompts": (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "one prompt", "prompt"),
+    "empty-prompt": (COMPLETIONS, {"prompt": ""}, 400, "the prompt is empty", "prompt"),
+    "bad-token-list": (COMPLETIONS, {"prompt": [1, "a"]}, 400, "list of integer token ids",
+                       "prompt"),
+    "token-outside-vocabulary": (COMPLETIONS, {"prompt": [1, 400]}, 400,
+                                 "token id 400 is outside the vocabulary [0, 320)", "prompt"),
+    "prompt-longer-than-model": (COMPLETIONS, {"prompt": [65] * 4100}, 400,
+                                 "prompt of 4100 tokens is too long: the model's context is 4096",
+                                 "prompt"),
+    "unknown-model": (COMPLETIONS, {"prompt": "hi", "model": "gpt-9"}, 404,
+                      "the model 'gpt-9' does not exist: this server serves 'neo-tiny'", "model"),
+    "chat-no-messages": (CHAT, {"messages": []}, 400, "at least one message", "messages"),
+    "chat-image-part": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "text": "x"}]}]}, 400, "only text message content", "messages"),
+    "chat-unknown-message-field": (CHAT, {"messages": [{"role": "user", "content": "x",
+                                                        "mood": "ok"}]}, 400,
+                                   "unknown field 'messages.0.mood'", "messages.0.mood"),
+}
+TOKENLESS_ERROR_CASES = {
+    "text-prompt": (COMPLETIONS, {"prompt": "hello"}, 400, "has no tokenizer", "prompt"),
+    "chat": (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, 400,
+             "has no tokenizer, so it has no chat template", "messages"),
+    "stop-string": (COMPLETIONS, {"prompt": [1, 2], "stop": "x"}, 400,
+                    "stop strings need a tokenizer", "stop"),
+    "prompt-larger-than-pools": (COMPLETIONS, {"prompt": [65] * 1100}, 400,
+                                 "prompt of 1100 tokens can never fit the KV pools: the largest "
+                                 "holds 1024 tokens (GPU pool 4 blocks, host pool 64 blocks",
+                                 "prompt"),
+}
+
+
+def check_error_case(server: LiveServer, case: tuple, good_prompt: list[int],
+                     expected_tokens: list[int]) -> None:
+    """Send the bad request while a good one streams; then a good request right after."""
+    path, body, status, message, param = case
+    good = dict(prompt=good_prompt, max_tokens=12, temperature=0, ignore_eos=True,
+                return_token_ids=True)
+
+    async def main():
+        async with client_for(server) as client:
+            streaming = asyncio.ensure_future(stream_request(client, COMPLETIONS, good))
+            await asyncio.sleep(0.05)
+            if isinstance(body, bytes):
+                bad = await client.post(path, content=body,
+                                        headers={"content-type": "application/json"})
+            else:
+                bad = await client.post(path, json=body)
+            after = await client.post(COMPLETIONS, json=good)
+            return bad, await streaming, after
+
+    bad, streamed, after = run(main())
+    assert bad.status_code == status, bad.text
+    error = bad.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert streamed.status == 200 and streamed.done and streamed.token_ids == expected_tokens
+    assert after.status_code == 200 and after.json()["choices"][0]["token_ids"] == expected_tokens
+
+
+@pytest.fixture(scope="module")
+def good_request(reference_llm):
+    prompt = [257, 72, 101, 108, 108, 111]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    return prompt, reference_llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_error_responses(name, tiny_server, good_request):
+    check_error_case(tiny_server, ERROR_CASES[name], *good_request)
+
+
+@pytest.mark.parametrize("name", list(TOKENLESS_ERROR_CASES))
+def test_error_responses_without_tokenizer(name, tokenless_server, good_request):
+    check_error_case(tokenless_server, TOKENLESS_ERROR_CASES[name], *good_request)
+
+
+def test_failed_iteration_becomes_a_server_error(tiny_server, good_request):
+    """An iteration that raises ends its requests with an error (500, or an error event once
+    a stream has started); the server goes on serving."""
+    engine = tiny_server.async_engine.engine
+    execute = engine.runner.execute
+    marker = [300, 301, 302]
+
+    def failing_execute(plan):  # fails the marked request's third token
+        if any(request.prompt_token_ids == marker and request.num_output_tokens == 2
+               for request in plan.requests):
+            raise RuntimeError("injected kernel failure")
+        return execute(plan)
+
+    async def main():
+        async with client_for(tiny_server) as client:
+            body = {"prompt": marker, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+            plain = await client.post(COMPLETIONS, json=body)
+            streamed = await stream_request(client, COMPLETIONS, body)
+            good = await client.post(COMPLETIONS, json=dict(
+                prompt=good_request[0], max_tokens=12, temperature=0, ignore_eos=True,
+                return_token_ids=True))
+            return plain, streamed, good
+
+    engine.runner.execute = failing_execute
+    try:
+        plain, streamed, good = run(main())
+    finally:
+        engine.runner.execute = execute
+    assert plain.status_code == 500
+    assert plain.json()["error"]["type"] == "server_error"
+    assert "injected kernel failure" in plain.json()["error"]["message"]
+    assert streamed.status == 200 and streamed.done
+    assert "injected kernel failure" in streamed.chunks[-1]["error"]["message"]
+    assert sum(len(chunk["choices"][0]["token_ids"]) for chunk in streamed.chunks[:-1]) == 2
+    assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == good_request[1]
+
+
+def test_unknown_model_error_code(tiny_server):
+    response = post(tiny_server, COMPLETIONS, {"prompt": "hi", "model": "other"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method(tiny_server):
+    response = get(tiny_server, "/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = get(tiny_server, COMPLETIONS)
+    assert response.status_code == 405 and "error" in response.json()
+
+
+def test_models_and_health(tiny_server):
+    models = get(tiny_server, "/v1/models").json()
+    assert models["object"] == "list"
+    assert [(card["id"], card["object"], card["max_model_len"]) for card in models["data"]] == [
+        ("neo-tiny", "model", 4096)]
+    health = get(tiny_server, "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_exposition(seed, tiny_server):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(rng.randint(17, 40))]
+    engine = tiny_server.async_engine.engine
+
+    async def main():
+        async with client_for(tiny_server) as client:
+            before = await wait_for_idle(client)
+            body = dict(prompt=prompt, max_tokens=500, temperature=0, ignore_eos=True,
+                        return_token_ids=True)
+            async with client.stream("POST", COMPLETIONS, json=body | {"stream": True}) as response:
+                lines = response.aiter_lines()
+                for _ in range(6):  # three events: "data: ..." and a blank line each
+                    await anext(lines)
+                during = parse_prometheus((await client.get("/metrics")).text)
+            after = await wait_for_idle(client)
+            return before, during, after
+
+    before, during, after = run(main())
+    info = next(iter(during["neo_engine_info"]))
+    assert dict(info)["model"] == "neo-tiny" and dict(info)["policy"] == "gpu-only"
+    assert metric(during, "neo_requests_running") == 1
+    assert metric(during, "neo_requests_waiting") == 0
+    assert metric(during, "neo_requests_in_kv_pool", pool="gpu") == 1
+    assert metric(during, "neo_requests_in_kv_pool", pool="cpu") == 0
+    used = metric(during, "neo_kv_cache_blocks_used", pool="gpu")
+    total = metric(during, "neo_kv_cache_blocks", pool="gpu")
+    assert total == engine.layout.num_gpu_blocks
+    assert metric(during, "neo_kv_cache_blocks", pool="cpu") == engine.layout.num_cpu_blocks
+    assert math.ceil((len(prompt) + 3) / 16) <= used <= math.ceil((len(prompt) + 500) / 16)
+    assert metric(during, "neo_kv_cache_usage_ratio", pool="gpu") == pytest.approx(used / total)
+    assert metric(during, "neo_generation_tokens_per_second") > 0
+    assert 0 <= metric(during, "neo_two_batch_iteration_ratio") <= 1
+    generated = (metric(after, "neo_output_tokens_total")
+                 - metric(before, "neo_output_tokens_total"))
+    assert 3 <= generated < 500
+    assert metric(after, "neo_requests_aborted_total") - metric(before, "neo_requests_aborted_total") == 1
+    assert metric(after, "neo_requests_running") == 0
+    counters = [name for name in after if name.endswith("_total")]
+    assert {"neo_iterations_total", "neo_two_batch_iterations_total", "neo_prefill_tokens_total",
+            "neo_gpu_decode_tokens_total", "neo_cpu_decode_tokens_total"} <= set(counters)
+
+
+# -- detokenizer ---------------------------------------------------------------------------------
+
+
+def test_detokenizer_holds_back_split_characters():
+    tokenizer = Tokenizer.tiny()
+    text = "héllo wörld 日本 🎉!"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(token_ids) == len(text.encode())  # one token per byte
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=[])
+    deltas = [detokenizer.update(token_ids[:end]) for end in range(1, len(token_ids) + 1)]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert deltas[text.encode().index("é".encode()) + 1] == "é"
+    assert detokenizer.finish(text) == ""
+
+
+def test_detokenizer_holds_back_a_possible_stop_string():
+    tokenizer = Tokenizer.tiny()
+    token_ids = tokenizer.encode("abcdef", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, stop=["xyz", "cd"])
+    deltas = [detokenizer.update(token_ids[:end]) for end in range(1, 5)]
+    assert deltas == ["", "", "a", "b"]  # two characters wait: "cd" might be forming
+    assert detokenizer.finish("ab") == ""  # the engine cut the text at "cd"
+
+
+def test_sse_event_is_one_line_whatever_the_text():
+    text = "a\u2028b\u2029c\u0085d\x1ce\rf\ng日本"
+    event = sse_event({"text": text})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    line = event[len(b"data: "):-2].decode()
+    assert line.isascii() and len(line.splitlines()) == 1
+    assert json.loads(line) == {"text": text}
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_shutdown_on_signal_aborts_streams_and_exits(signal_number, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "neo.cli", "serve", "--device", "cpu", "--port", str(port),
+             "--gpu-kv-cache-gib", "0.01", "--cpu-kv-cache-gib", "0.01"], stdout=log,
+            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = dict(prompt="hello", max_tokens=3000, temperature=0, ignore_eos=True,
+                    stream=True, return_token_ids=True)
+        events = []
+        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=HTTP_TIMEOUT) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                if len(events) == 3:
+                    break
+            sent = time.monotonic()
+            process.send_signal(signal_number)
+            events += [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        returncode = process.wait(timeout=15)
+        elapsed = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=15)
+    output = log_path.read_text()
+    assert elapsed < 5, f"the server took {elapsed:.1f} s to exit"
+    assert returncode in (0, -signal_number), output
+    assert "Traceback" not in output and "ERROR" not in output, output
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])["choices"][0]
+    assert final["finish_reason"] == "abort"
+    tokens = sum(len(json.loads(event)["choices"][0]["token_ids"]) for event in events[:-1])
+    assert 3 <= tokens < 3000
+
+
+# -- the load generator (benchmarks/online.py) ---------------------------------------------------
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+TINY_SERVE_ARGS = ["--device", "cpu", "--gpu-kv-cache-gib", str(4 * BLOCK_BYTES / 2**30),
+                   "--cpu-kv-cache-gib", str(256 * BLOCK_BYTES / 2**30), "--perf-model", "zero"]
+
+
+def run_benchmark(arguments: list[str], output_dir) -> str:
+    completed = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "online.py"), *arguments,
+         "--output-dir", str(output_dir), "--", *TINY_SERVE_ARGS],
+        capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "Traceback" not in completed.stderr, completed.stderr
+    return completed.stdout
+
+
+def test_sustainable_rate_interpolates_the_crossing():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from online_stats import knees, sustainable_rate
+    finally:
+        sys.path.remove(BENCHMARKS)
+    points = [(1.0, 0.010), (2.0, 0.012), (3.0, 0.030), (4.0, math.inf)]
+    assert sustainable_rate(points, 0.021) == {"rate": pytest.approx(2.5), "bound": "exact"}
+    assert sustainable_rate(points, 0.5) == {"rate": 3.0, "bound": "at least"}
+    assert sustainable_rate(points, 0.005)["bound"] == "below"
+    result = knees({"gpu-only": points, "neo": [(1.0, 0.011), (2.0, 0.011), (4.0, 0.016)]},
+                   "gpu-only", factor=2.0, slo=None)
+    assert result["reference_threshold_s"] == pytest.approx(0.020)
+    assert result["own"]["gpu-only"]["rate"] == pytest.approx(2 + 8 / 18)
+    assert result["at_reference"]["neo"] == {"rate": 4.0, "bound": "at least",
+                                             "ratio_to_reference": pytest.approx(4 / (2 + 8 / 18))}
+
+
+@pytest.mark.slow
+def test_load_generator_sweep_end_to_end(tmp_path):
+    """One policy per command (--append merges them), as on a machine with a time limit per
+    command. Prompt + output stay within the 4-block (64-token) GPU pool of gpu-only."""
+    options = ["--rates", "3,20", "--duration-per-rate", "2", "--workload",
+               "synthetic:input=30,output=20", "--warmup-requests", "1", "--append", "--tag", "tiny"]
+    run_benchmark(["--policies", "gpu-only", *options], tmp_path)
+    stdout = run_benchmark(["--policies", "neo", *options], tmp_path)
+    with open(tmp_path / "online-tiny-sweep.json") as file:
+        results = json.load(file)
+    assert {"command", "date", "device", "knee", "records", "summaries"} <= set(results)
+    assert [run["policies"] for run in results["runs"]] == [["gpu-only"], ["neo"]]
+    assert set(results["knee"]["at_reference"]) == {"gpu-only", "neo"}
+    assert [(summary["policy"], summary["rate"]) for summary in results["summaries"]] == [
+        ("gpu-only", 3.0), ("gpu-only", 20.0), ("neo", 3.0), ("neo", 20.0)]
+    for summary in results["summaries"]:
+        assert summary["sent"] >= 1 and summary["completed"] == summary["sent"]
+        assert 0 < summary["per_token_latency"]["p50"] <= summary["per_token_latency"]["p99"]
+    assert len(results["records"]) == sum(summary["sent"] for summary in results["summaries"])
+    for record in results["records"]:
+        assert 27 <= record["prompt_tokens"] <= 33
+        assert record["output_tokens"] == record["requested_output_tokens"]
+        assert record["ttft"] <= record["latency"]
+    # At 20 requests/s several requests overlap: neo decodes the overflow on the host.
+    assert results["summaries"][-1]["engine"]["cpu_decode_share"] > 0
+    assert results["summaries"][1]["engine"]["cpu_decode_share"] == 0
+    for name in ("online-tiny-latency-vs-rate.png", "online-tiny-latency-cdf.png"):
+        with open(tmp_path / name, "rb") as file:
+            assert file.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "knee threshold" in stdout and "latency distribution plotted at" in stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_load_generator_server_overhead_mode(tmp_path):
+    stdout = run_benchmark(["--mode", "overhead", "--policies", "gpu-only", "--overhead-repeats", "2",
+                            "--workload", "synthetic:input=30,output=20"], tmp_path)
+    with open(tmp_path / "online-overhead.json") as file:
+        entry = json.load(file)["policies"]["gpu-only"]
+    assert len(entry["http_tpot_s"]) == len(entry["generate_tpot_s"]) == 2
+    assert entry["ratio"] == pytest.approx(entry["http_tpot_median_s"] / entry["generate_tpot_median_s"])
+    assert "server overhead" in stdout and stdout.splitlines()[-1].startswith("gpu-only")
