@@ -1,0 +1,551 @@
+"""numba CPU kernel of ``neo.paged_decode_attention``: the readable form of the fast algorithm.
+
+It is registered as ``torch.ops.neo_numba.paged_decode_attention`` and serves as the CPU kernel
+of ``torch.ops.neo.paged_decode_attention`` when the ISPC build is absent.
+
+Algorithm (flash-decoding on the CPU):
+
+1. **Plan.** The work is the cache blocks of every sequence, laid end to end. It is cut into one
+   equal contiguous share per thread, so a long sequence is split over several threads and many
+   short ones share a thread. Each piece of one sequence that falls into one share is a *work
+   unit*.
+2. **Attend.** Each thread walks its units block by block, and within a block KV head by KV head,
+   so that it reads each block's K and V as two sequential runs (the layout is
+   ``[num_blocks, num_kv_heads, block_size, head_dim]``) and can prefetch the next block. Every K
+   and V element is converted to float32 once and reused for all query heads of its KV group;
+   the softmax is computed online per block (running max, running sum, rescaled accumulator), so
+   each unit yields, per query head, an unnormalized output with its max and sum of exponentials.
+3. **Merge.** A unit that is a whole sequence writes its normalized result directly. The units
+   of a sequence split between threads are combined afterwards with a log-sum-exp merge.
+
+numba does not take float16 or bfloat16 arrays, so half-precision tensors are passed as bit
+patterns (bfloat16 as uint16, float16 as int16) and decoded in the kernel: bfloat16 is the upper
+half of a float32; float16 goes through the CPU's conversion instruction (F16C) or, on targets
+without it, is decoded from its IEEE fields (subnormals, infinities and NaN included). Results
+are written to a float32 array that torch converts into ``out``.
+
+The machine code is compiled on first use, once per dtype, and kept in numba's on-disk cache
+when there is a writable place for it.
+"""
+
+import threading
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from . import checks
+
+# Floating-point liberties that let LLVM vectorize the dot products and sums (reassociation,
+# contraction into FMA, fast exp), without the "no NaN / no infinity" assumptions of
+# ``fastmath=True``: the online softmax starts from -inf and must see it as such.
+FAST_MATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
+
+# A thread's share of the work is at least this many (token, KV head) pairs; smaller calls run on
+# fewer threads, since splitting them costs more than it gains.
+MIN_TOKEN_HEADS_PER_THREAD = 4096
+
+CACHE_LINE_BYTES = 64
+
+# numba's fallback threading layer ("workqueue", used when neither TBB nor OpenMP is installed)
+# aborts the process when two threads launch parallel kernels at once. Launches are therefore
+# serialized; each launch uses every thread anyway.
+_launch_lock = threading.Lock()
+
+
+def _compiled(**options):
+    """``numba.njit(**options)`` with numba's on-disk cache of the machine code when possible.
+
+    numba writes its cache next to the source file or else in the user's cache directory; when
+    neither is writable (a read-only install and home) it refuses ``cache=True``, and the kernel
+    is then compiled in every process instead.
+    """
+    def decorate(function):
+        try:
+            return njit(cache=True, **options)(function)
+        except RuntimeError:
+            return njit(**options)(function)
+
+    return decorate
+
+
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the low 32 bits of the unsigned integer ``bits``.
+
+    numba widens unsigned arithmetic to 64 bits, so the argument is truncated to 32 first.
+    """
+    if not isinstance(bits, types.Integer) or bits.signed:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        low_bits = builder.trunc(arguments[0], ir.IntType(32)) if bits.bitwidth > 32 \
+            else arguments[0]
+        return builder.bitcast(low_bits, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, array, offset):
+    """Ask the CPU to bring the cache line of ``array.flat[offset]`` into L2 (no other effect)."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        array_value, offset_value = arguments
+        data = context.make_array(signature.args[0])(context, builder, array_value).data
+        address = builder.bitcast(builder.gep(data, [offset_value]), ir.IntType(8).as_pointer())
+        int32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32]),
+            "llvm.prefetch.p0")
+        # read access, locality 2 (L2), data cache
+        builder.call(prefetch, [address, int32(0), int32(2), int32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, offset), codegen
+
+
+@njit(inline="always")
+def _decode_bfloat16(bits):
+    """bfloat16 bit pattern (uint16) -> float32: the bits are the upper half of a float32."""
+    return _float_from_bits(np.uint32(bits) << np.uint32(16))
+
+
+@intrinsic
+def _float16_bits_to_float32(typingctx, bits):
+    """IEEE float16 bit pattern (int16) -> float32 by the CPU's conversion instruction.
+
+    Compiles to F16C's ``vcvtph2ps`` on x86; only for targets that have it (``HARDWARE_FLOAT16``),
+    since elsewhere LLVM would call a runtime helper that numba does not provide.
+    """
+    if bits != types.int16:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        return builder.fpext(builder.bitcast(arguments[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+def _target_has_f16c() -> bool:
+    """Whether numba compiles for a CPU with F16C (its target: the host, or NUMBA_CPU_NAME)."""
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+HARDWARE_FLOAT16 = _target_has_f16c()
+
+
+@njit(inline="always")
+def _decode_float16(bits):
+    """IEEE float16 bit pattern (int16) -> float32, subnormals, infinities and NaN included.
+
+    The portable decoder, for targets without F16C. Branch-free, so that LLVM vectorizes it: the
+    exponent is rebiased from 15 to 127 and the mantissa widened from 10 to 23 bits;
+    infinity/NaN get the all-ones exponent; a zero or subnormal ``m * 2**-24`` is built exactly
+    as ``2**-14 * (1 + m / 1024)`` minus ``2**-14``.
+    """
+    # numba widens integer arithmetic to 64 bits; every step is cast back to 32 so that the
+    # vectorized code works on 32-bit lanes
+    bits32 = np.uint32(np.uint16(bits))
+    exponent = np.uint32(np.uint32(bits32 >> np.uint32(10)) & np.uint32(0x1F))
+    mantissa = np.uint32(bits32 & np.uint32(0x3FF))
+    rebiased = np.uint32(exponent + np.uint32(112))
+    rebiased = np.uint32(255) if exponent == np.uint32(0x1F) else rebiased
+    rebiased = np.uint32(113) if exponent == np.uint32(0) else rebiased
+    magnitude = _float_from_bits(np.uint32(np.uint32(rebiased << np.uint32(23))
+                                           | np.uint32(mantissa << np.uint32(13))))
+    magnitude -= np.float32(2.0 ** -14) if exponent == np.uint32(0) else np.float32(0.0)
+    return -magnitude if bits32 & np.uint32(0x8000) else magnitude
+
+
+# numba has no float16/bfloat16 arrays: the caches arrive as bit patterns, bfloat16 as uint16 and
+# float16 as int16, so that the element type alone says how to decode.
+_TORCH_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16,
+               torch.float16: torch.int16}
+
+
+def _to_float32(element):
+    """One element -> float32: float32 as is, uint16 as bfloat16 bits, int16 as float16 bits.
+
+    Only callable from numba-compiled code, which picks the decoding by the element's type.
+    """
+    raise TypeError("_to_float32 runs only inside numba-compiled code")
+
+
+@overload(_to_float32, inline="always")
+def _to_float32_by_type(element):
+    if element == types.int16 and HARDWARE_FLOAT16:
+        return lambda element: _float16_bits_to_float32(element)
+    decoders = {types.float32: lambda element: element,
+                types.uint16: lambda element: _decode_bfloat16(element),
+                types.int16: lambda element: _decode_float16(element)}
+    return decoders.get(element)
+
+
+# Polynomial for 2**f on [0, 1): least-squares fit with 2**0 = 1 exactly, relative error < 2e-7.
+EXP2_COEFFICIENTS = tuple(np.float32(c) for c in (
+    1.0, 0.69315135, 0.24016416, 0.055800445, 0.009016688, 0.0018671829))
+LOG2_E = np.float32(1.4426950408889634)
+
+
+@njit(inline="always", fastmath=FAST_MATH)
+def _exp_nonpositive(x):
+    """``e**x`` for float32 ``x <= 0`` (``-inf`` and anything below about -88 give 0).
+
+    Written out so that LLVM vectorizes it (numba's ``math.exp`` is a scalar libm call), all in
+    float32: ``e**x = 2**n * 2**f`` with ``n = floor(x log2 e)`` put into the exponent bits and
+    ``2**f`` from a polynomial. Relative error about 1e-6 (from rounding ``x log2 e``).
+    """
+    y = min(max(x * LOG2_E, np.float32(-127.0)), np.float32(0.0))
+    n = np.floor(y)
+    f = y - n
+    c0, c1, c2, c3, c4, c5 = EXP2_COEFFICIENTS
+    power_of_fraction = c0 + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * c5))))
+    # 2**n from its exponent bits; n = -127 gives the bits of 0.0
+    return power_of_fraction * _float_from_bits(np.uint32(np.int32(n) + np.int32(127))
+                                                << np.uint32(23))
+
+
+@_compiled()
+def _plan(seq_lens, block_size, num_kv_heads, num_threads):
+    """Cut the blocks of all sequences, laid end to end, into equal contiguous shares per thread.
+
+    Returns ``(unit_seq, unit_first_block, unit_end_block, seq_units, thread_units)``: unit ``u``
+    covers blocks ``[unit_first_block[u], unit_end_block[u])`` of sequence ``unit_seq[u]``, all KV
+    heads; the units of sequence ``s`` are ``seq_units[s]:seq_units[s + 1]`` and those of thread
+    ``t`` are ``thread_units[t]:thread_units[t + 1]`` (int64 arrays).
+    """
+    num_seqs = seq_lens.shape[0]
+    total_blocks = 0
+    for seq in range(num_seqs):
+        total_blocks += (seq_lens[seq] + block_size - 1) // block_size
+    min_blocks = max(1, MIN_TOKEN_HEADS_PER_THREAD // (block_size * num_kv_heads))
+    num_threads = max(1, min(num_threads, total_blocks // min_blocks))
+    # thread t takes the blocks [share_end[t - 1], share_end[t]) of the work laid end to end
+    share_end = np.empty(num_threads, np.int64)
+    for thread in range(num_threads):
+        share_end[thread] = (thread + 1) * total_blocks // num_threads
+
+    max_units = num_seqs + num_threads
+    unit_seq = np.empty(max_units, np.int64)
+    unit_first_block = np.empty(max_units, np.int64)
+    unit_end_block = np.empty(max_units, np.int64)
+    seq_units = np.empty(num_seqs + 1, np.int64)
+    thread_units = np.zeros(num_threads + 1, np.int64)
+    num_units = 0
+    thread = 0
+    position = 0  # first block of the current sequence in the laid-out work
+    for seq in range(num_seqs):
+        seq_units[seq] = num_units
+        seq_blocks = (seq_lens[seq] + block_size - 1) // block_size
+        start = position
+        while start < position + seq_blocks:
+            while share_end[thread] <= start:
+                thread += 1
+            end = min(position + seq_blocks, share_end[thread])
+            unit_seq[num_units] = seq
+            unit_first_block[num_units] = start - position
+            unit_end_block[num_units] = end - position
+            thread_units[thread + 1] = num_units + 1
+            num_units += 1
+            start = end
+        position += seq_blocks
+    seq_units[num_seqs] = num_units
+    return (unit_seq[:num_units], unit_first_block[:num_units], unit_end_block[:num_units],
+            seq_units, thread_units)
+
+
+# The helpers below get the caches whole, with indices, rather than slices of them: a slice of an
+# array shared by the threads updates its reference count, an atomic they would all contend for.
+# Slices of a thread's own working arrays are cheap.
+
+@_compiled(nogil=True)
+def _prefetch_rows(cache, block, head):
+    """Prefetch ``cache[block, head]``, one request per 64-byte cache line."""
+    row_elements = cache.shape[2] * cache.shape[3]
+    first = (block * cache.shape[1] + head) * row_elements
+    for offset in range(first, first + row_elements, CACHE_LINE_BYTES // cache.itemsize):
+        _prefetch(cache, offset)
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _convert_block(cache, block, head, count, destination):
+    """``destination[t] = cache[block, head, t]`` in float32 for the first ``count`` tokens."""
+    for t in range(count):
+        for d in range(cache.shape[3]):
+            destination[t, d] = _to_float32(cache[block, head, t, d])
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _scores_one_head(query, keys, count, scores):
+    """``scores[t] = query . keys[t]`` for ``count`` tokens, four tokens per pass over the row."""
+    t = 0
+    while t + 4 <= count:
+        dot0 = dot1 = dot2 = dot3 = np.float32(0.0)
+        for d in range(keys.shape[1]):
+            dot0 += query[d] * keys[t, d]
+            dot1 += query[d] * keys[t + 1, d]
+            dot2 += query[d] * keys[t + 2, d]
+            dot3 += query[d] * keys[t + 3, d]
+        scores[t], scores[t + 1], scores[t + 2], scores[t + 3] = dot0, dot1, dot2, dot3
+        t += 4
+    for t in range(t, count):
+        dot = np.float32(0.0)
+        for d in range(keys.shape[1]):
+            dot += query[d] * keys[t, d]
+        scores[t] = dot
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _scores_two_heads(query0, query1, keys, count, scores0, scores1):
+    """``_scores_one_head`` for two query heads at once: each key element loaded serves both."""
+    t = 0
+    while t + 4 <= count:
+        dot00 = dot01 = dot02 = dot03 = np.float32(0.0)
+        dot10 = dot11 = dot12 = dot13 = np.float32(0.0)
+        for d in range(keys.shape[1]):
+            key0, key1, key2, key3 = keys[t, d], keys[t + 1, d], keys[t + 2, d], keys[t + 3, d]
+            dot00 += query0[d] * key0
+            dot01 += query0[d] * key1
+            dot02 += query0[d] * key2
+            dot03 += query0[d] * key3
+            dot10 += query1[d] * key0
+            dot11 += query1[d] * key1
+            dot12 += query1[d] * key2
+            dot13 += query1[d] * key3
+        scores0[t], scores0[t + 1], scores0[t + 2], scores0[t + 3] = dot00, dot01, dot02, dot03
+        scores1[t], scores1[t + 1], scores1[t + 2], scores1[t + 3] = dot10, dot11, dot12, dot13
+        t += 4
+    for t in range(t, count):
+        dot0 = dot1 = np.float32(0.0)
+        for d in range(keys.shape[1]):
+            dot0 += query0[d] * keys[t, d]
+            dot1 += query1[d] * keys[t, d]
+        scores0[t], scores1[t] = dot0, dot1
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _block_scores(queries, first_head, keys, count, scores):
+    """``scores[g, t] = queries[first_head + g] . keys[t]`` for the group and ``count`` tokens.
+
+    Register tiles of two query heads x four tokens: each key element loaded serves two heads and
+    each query element four tokens.
+    """
+    group = scores.shape[0]
+    for g in range(0, group - 1, 2):
+        _scores_two_heads(queries[first_head + g], queries[first_head + g + 1], keys, count,
+                          scores[g], scores[g + 1])
+    if group % 2:
+        _scores_one_head(queries[first_head + group - 1], keys, count, scores[group - 1])
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _online_softmax(scores, count, first_head, running_max, running_sum, accumulator):
+    """Turn ``scores[:, :count]`` into weights relative to the group's updated running max.
+
+    Query head ``first_head + g``'s running sum and accumulated output are rescaled to its new
+    max, and the block's weights are added to its running sum.
+    """
+    for g in range(scores.shape[0]):
+        head = first_head + g
+        block_max = running_max[head]
+        for t in range(count):
+            block_max = max(block_max, scores[g, t])
+        correction = _exp_nonpositive(running_max[head] - block_max)
+        running_max[head] = block_max
+        block_sum = np.float32(0.0)
+        for t in range(count):
+            weight = _exp_nonpositive(scores[g, t] - block_max)
+            scores[g, t] = weight
+            block_sum += weight
+        running_sum[head] = running_sum[head] * correction + block_sum
+        for d in range(accumulator.shape[1]):
+            accumulator[head, d] *= correction
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _accumulate_one_head(weights, values, count, accumulator):
+    """``accumulator += sum_t weights[t] * values[t]`` over ``count`` tokens, four per pass."""
+    t = 0
+    while t + 4 <= count:
+        weight0, weight1 = weights[t], weights[t + 1]
+        weight2, weight3 = weights[t + 2], weights[t + 3]
+        for d in range(values.shape[1]):
+            accumulator[d] += ((weight0 * values[t, d] + weight1 * values[t + 1, d])
+                               + (weight2 * values[t + 2, d] + weight3 * values[t + 3, d]))
+        t += 4
+    for t in range(t, count):
+        for d in range(values.shape[1]):
+            accumulator[d] += weights[t] * values[t, d]
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _accumulate_two_heads(weights0, weights1, values, count, accumulator0, accumulator1):
+    """``_accumulate_one_head`` for two query heads at once: each value loaded serves both."""
+    t = 0
+    while t + 4 <= count:
+        weight00, weight01 = weights0[t], weights0[t + 1]
+        weight02, weight03 = weights0[t + 2], weights0[t + 3]
+        weight10, weight11 = weights1[t], weights1[t + 1]
+        weight12, weight13 = weights1[t + 2], weights1[t + 3]
+        for d in range(values.shape[1]):
+            value0, value1 = values[t, d], values[t + 1, d]
+            value2, value3 = values[t + 2, d], values[t + 3, d]
+            accumulator0[d] += ((weight00 * value0 + weight01 * value1)
+                                + (weight02 * value2 + weight03 * value3))
+            accumulator1[d] += ((weight10 * value0 + weight11 * value1)
+                                + (weight12 * value2 + weight13 * value3))
+        t += 4
+    for t in range(t, count):
+        for d in range(values.shape[1]):
+            accumulator0[d] += weights0[t] * values[t, d]
+            accumulator1[d] += weights1[t] * values[t, d]
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _accumulate_values(weights, values, count, first_head, accumulator):
+    """``accumulator[first_head + g] += sum_t weights[g, t] * values[t]`` over ``count`` tokens.
+
+    Register tiles of two query heads x four tokens: each accumulator element is loaded and
+    stored once per four tokens, and each value element loaded serves two heads.
+    """
+    group = weights.shape[0]
+    for g in range(0, group - 1, 2):
+        _accumulate_two_heads(weights[g], weights[g + 1], values, count,
+                              accumulator[first_head + g], accumulator[first_head + g + 1])
+    if group % 2:
+        _accumulate_one_head(weights[group - 1], values, count,
+                             accumulator[first_head + group - 1])
+
+
+@_compiled(parallel=True, fastmath=FAST_MATH, nogil=True)
+def _decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_threads):
+    """Decode attention over the paged cache; returns float32 ``[num_seqs, num_heads, head_dim]``.
+
+    ``q`` is ``[S, H, D]`` and the caches ``[B, KVH, BS, D]``, float32 or the bits of a half type
+    (see ``_to_float32``). ``block_table`` int32 ``[S, max_blocks]``, ``seq_lens`` int32 ``[S]``,
+    both already validated; ``num_threads`` threads run it.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    unit_seq, unit_first_block, unit_end_block, seq_units, thread_units = _plan(
+        seq_lens, block_size, num_kv_heads, num_threads)
+    num_units = unit_seq.shape[0]
+    result = np.empty((num_seqs, num_heads, head_dim), np.float32)
+    # for the units of split sequences, per query head: unnormalized output, running max,
+    # running sum of exponentials
+    partial_out = np.empty((num_units, num_heads, head_dim), np.float32)
+    partial_max = np.empty((num_units, num_heads), np.float32)
+    partial_sum = np.empty((num_units, num_heads), np.float32)
+
+    for thread in prange(thread_units.shape[0] - 1):
+        # per-thread working arrays (slicing an array shared by the threads would make them
+        # contend for its reference count)
+        queries = np.empty((num_heads, head_dim), np.float32)
+        accumulator = np.empty((num_heads, head_dim), np.float32)
+        running_max = np.empty(num_heads, np.float32)
+        running_sum = np.empty(num_heads, np.float32)
+        # one block of one KV head in float32: each element converted once for the whole group
+        keys = np.empty((block_size, head_dim), np.float32)
+        values = np.empty((block_size, head_dim), np.float32)
+        scores = np.empty((group, block_size), np.float32)
+        for unit in range(thread_units[thread], thread_units[thread + 1]):
+            seq = unit_seq[unit]
+            for head in range(num_heads):
+                for d in range(head_dim):
+                    queries[head, d] = _to_float32(q[seq, head, d]) * scale
+            accumulator[:] = 0.0
+            running_max[:] = -np.inf
+            running_sum[:] = 0.0
+            # block by block, all KV heads of a block in turn: the reads stay sequential
+            for block_index in range(unit_first_block[unit], unit_end_block[unit]):
+                block = block_table[seq, block_index]
+                # the blocks of a sequence are scattered, out of the hardware prefetcher's reach:
+                # each KV head of the next block is fetched while this block's is used
+                next_block = block_table[seq, min(block_index + 1, unit_end_block[unit] - 1)]
+                count = min(block_size, seq_lens[seq] - block_index * block_size)
+                for kv_head in range(num_kv_heads):
+                    first_head = kv_head * group
+                    _prefetch_rows(k_cache, next_block, kv_head)
+                    _prefetch_rows(v_cache, next_block, kv_head)
+                    _convert_block(k_cache, block, kv_head, count, keys)
+                    _block_scores(queries, first_head, keys, count, scores)
+                    _online_softmax(scores, count, first_head, running_max, running_sum,
+                                    accumulator)
+                    _convert_block(v_cache, block, kv_head, count, values)
+                    _accumulate_values(scores, values, count, first_head, accumulator)
+            if seq_units[seq + 1] - seq_units[seq] == 1:  # the whole sequence: final result
+                for head in range(num_heads):
+                    for d in range(head_dim):
+                        result[seq, head, d] = accumulator[head, d] / running_sum[head]
+            else:
+                partial_out[unit] = accumulator
+                partial_max[unit] = running_max
+                partial_sum[unit] = running_sum
+
+    # sequences split over threads (at most one per thread boundary): log-sum-exp merge
+    for seq in range(num_seqs):
+        first, end = seq_units[seq], seq_units[seq + 1]
+        if end - first == 1:
+            continue
+        for head in range(num_heads):
+            overall_max = partial_max[first, head]
+            for unit in range(first + 1, end):
+                overall_max = max(overall_max, partial_max[unit, head])
+            total = np.float32(0.0)
+            for d in range(head_dim):
+                result[seq, head, d] = 0.0
+            for unit in range(first, end):
+                weight = _exp_nonpositive(partial_max[unit, head] - overall_max)
+                total += partial_sum[unit, head] * weight
+                for d in range(head_dim):
+                    result[seq, head, d] += weight * partial_out[unit, head, d]
+            for d in range(head_dim):
+                result[seq, head, d] /= total
+    return result
+
+
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    """float32 as it is; bfloat16 and float16 as uint16 and int16 bit views (no copy)."""
+    return tensor.detach().view(_TORCH_BITS[tensor.dtype]).numpy()
+
+
+def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale):
+    """``out[s, h] = softmax(scale * q[s, h] . K_s) V_s`` over sequence ``s``'s paged K/V.
+
+    out, q ``[S, H, D]``; k_cache, v_cache ``[B, KVH, BS, D]``, all float32, float16 or bfloat16
+    (one dtype, CPU); block_table int32 ``[S, max_blocks]``; seq_lens int32 ``[S]``. Accumulates
+    in float32 on ``min(torch.get_num_threads(), numba's thread count)`` threads.
+    """
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+    checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
+    if q.shape[0] == 0:
+        return
+    torch_threads = torch.get_num_threads()
+    num_threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
+    arrays = [_as_array(tensor) for tensor in (q, k_cache, v_cache)]
+    with _launch_lock:
+        numba.set_num_threads(num_threads)
+        try:
+            result = _decode_attention(*arrays, block_table.numpy(), seq_lens.numpy(),
+                                       np.float32(scale), num_threads)
+        finally:
+            # numba's OpenMP thread pool can share OpenMP's thread-count setting with torch (and
+            # sets it when it starts): leave torch's as it was
+            if torch.get_num_threads() != torch_threads:
+                torch.set_num_threads(torch_threads)
+    out.copy_(torch.from_numpy(result))
+
+
+IMPLEMENTATIONS = {"paged_decode_attention": paged_decode_attention}

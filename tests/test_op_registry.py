@@ -1,0 +1,105 @@
+"""The implementation registry: what ``python -m neo.ops`` lists, what ``implementations()`` and
+``dispatched()`` say, and that they agree with each other and with torch's dispatcher."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import neo.ops
+
+# Highest precedence first: the kernel ``torch.ops.neo.<op>`` runs on a device is the first
+# available one that serves the device.
+PRECEDENCE = ("cuda", "ispc", "numba", "reference")
+DEVICES = ("cpu", "cuda")
+
+
+def available(op, name):
+    return any(impl.name == name for impl in neo.ops.implementations(op))
+
+
+@pytest.fixture(scope="module")
+def listing():
+    result = subprocess.run([sys.executable, "-m", "neo.ops"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def op_section(listing, op):
+    match = re.search(rf"^neo\.{op}\n(.*?)(?:\n\n|\Z)", listing, re.S | re.M)
+    assert match, f"python -m neo.ops does not list neo.{op}:\n{listing}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("op", neo.ops.OP_NAMES)
+def test_listing_shows_implementations_and_dispatch(listing, op):
+    section = op_section(listing, op)
+    for implementation in neo.ops.implementations(op, available_only=False):
+        state = "available" if implementation.available else \
+            f"unavailable: {implementation.note}"
+        line = re.search(rf"^\s+{implementation.name}\s+(\S+)\s+(.*)$", section, re.M)
+        assert line, f"{implementation.name} missing under neo.{op}:\n{section}"
+        assert line.group(1) == "/".join(implementation.devices)
+        assert line.group(2) == state
+    targets = ", ".join(f"{device} -> {neo.ops.dispatched(op, device)}" for device in DEVICES)
+    assert f"torch.ops.neo.{op} dispatches to: {targets}" in section
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", neo.ops.OP_NAMES)
+def test_dispatch_target_is_the_first_available_by_precedence(op, device):
+    serving = [impl.name for impl in neo.ops.implementations(op, device)]
+    assert serving, f"no implementation of neo.{op} serves {device}"
+    expected = min(serving, key=PRECEDENCE.index)
+    assert neo.ops.dispatched(op, device) == expected
+
+
+@pytest.mark.parametrize("op", ["paged_decode_attention", "store_kv_cache"])
+def test_cpu_attention_ops_dispatch_to_the_fastest_build(op):
+    if available(op, "ispc"):
+        expected = "ispc"
+    elif op == "paged_decode_attention" and available(op, "numba"):
+        expected = "numba"
+    else:
+        expected = "reference"
+    assert neo.ops.dispatched(op, "cpu") == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", neo.ops.OP_NAMES)
+def test_dispatch_target_agrees_with_torch(op, device):
+    """A device kernel is registered for ``neo::<op>`` exactly when something other than the
+    reference (registered for every device) is said to run there."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}[device]
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(f"neo::{op}", key)
+    assert has_kernel == (neo.ops.dispatched(op, device) != "reference")
+
+
+@pytest.mark.parametrize("op", neo.ops.OP_NAMES)
+def test_implementations_are_reachable_by_name(op):
+    for implementation in neo.ops.implementations(op, available_only=False):
+        if implementation.available:
+            namespace = getattr(torch.ops, f"neo_{implementation.name}")
+            assert implementation.function is getattr(namespace, op)
+        else:
+            assert implementation.note, f"{implementation.label} is unavailable without a reason"
+            with pytest.raises(RuntimeError, match=re.escape(implementation.note)):
+                implementation.function
+
+
+def test_reference_serves_every_op_everywhere():
+    for op in neo.ops.OP_NAMES:
+        reference = [impl for impl in neo.ops.implementations(op) if impl.name == "reference"]
+        assert reference and set(reference[0].devices) == set(DEVICES)
+
+
+def test_device_filter_and_unknown_op():
+    for op in neo.ops.OP_NAMES:
+        for device in DEVICES:
+            for implementation in neo.ops.implementations(op, device):
+                assert implementation.available and device in implementation.devices
+    with pytest.raises(KeyError, match="unknown neo op"):
+        neo.ops.implementations("no_such_op")

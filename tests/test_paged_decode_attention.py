@@ -1,0 +1,422 @@
+"""``neo.paged_decode_attention``: every implementation against a float64 formula, on every
+device, plus thread safety of the CPU kernels and the bad-input errors.
+
+Caches come from ``random_paged_kv``: shuffled blocks, garbage block ids in the unused table
+entries and NaN in every cache slot past a sequence's length, so reading anything that is not
+part of a sequence shows up as a NaN or a crash.
+"""
+
+import math
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import neo.ops
+
+from conftest import (FLOAT_DTYPES, assert_close, gather_sequence, implementation_params,
+                      poisoned_like, random_paged_kv, random_tensor)
+
+OP = "paged_decode_attention"
+IMPLEMENTATIONS = implementation_params(OP)
+CPU_IMPLEMENTATIONS = implementation_params(OP, devices=("cpu",))
+
+# (num_heads, num_kv_heads): GQA ratios 1, 4, 8 and MQA
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (8, 1)}
+
+
+def decode_attention_float64(q, paged, scale):
+    """The formula, one sequence and one query head at a time, in float64 on the CPU."""
+    num_seqs, num_heads, _ = q.shape
+    group = num_heads // paged.k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for seq in range(num_seqs):
+        keys = gather_sequence(paged.k_cache, paged.block_table, paged.seq_lens, seq).double()
+        values = gather_sequence(paged.v_cache, paged.block_table, paged.seq_lens, seq).double()
+        for head in range(num_heads):
+            scores = keys[:, head // group] @ q[seq, head].cpu().double() * scale
+            weights = torch.exp(scores - scores.max())
+            out[seq, head] = (weights / weights.sum()) @ values[:, head // group]
+    return out
+
+
+def make_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, generator,
+              device, sharpness=1.0):
+    """(q, paged cache, scale); ``sharpness`` scales the scores (larger: peakier softmax)."""
+    paged = random_paged_kv(seq_lens, num_kv_heads, block_size, head_dim, dtype, generator,
+                            device)
+    q = random_tensor((len(seq_lens), num_heads, head_dim), dtype, generator, device)
+    scale = sharpness * float(0.5 + torch.rand((), generator=generator)) / math.sqrt(head_dim)
+    return q, paged, scale
+
+
+def run(implementation, q, paged, scale):
+    out = poisoned_like(q)
+    implementation.function(out, q, paged.k_cache, paged.v_cache, paged.block_table,
+                            paged.seq_lens, scale)
+    return out
+
+
+def check(implementation, q, paged, scale):
+    assert_close(run(implementation, q, paged, scale), decode_attention_float64(q, paged, scale),
+                 q.dtype)
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS.values(), ids=HEAD_LAYOUTS.keys())
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_mixed_short_batch(implementation, device, dtype, head_dim, block_size, heads,
+                           generator):
+    """Lengths 1, a block, a block + 1 and a random one, in one batch."""
+    random_length = int(torch.randint(2, 4 * block_size, (), generator=generator))
+    seq_lens = [1, block_size, block_size + 1, random_length]
+    check(implementation, *make_case(seq_lens, *heads, head_dim, block_size, dtype, generator,
+                                     device))
+
+
+@pytest.mark.parametrize("length", ["1", "block", "block+1", "long"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_single_sequence(implementation, device, dtype, length, generator):
+    block_size = 16
+    seq_len = {"1": 1, "block": block_size, "block+1": block_size + 1,
+               "long": int(torch.randint(3000, 5000, (), generator=generator))}[length]
+    check(implementation, *make_case([seq_len], 32, 8, 128, block_size, dtype, generator,
+                                     device))
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 12.0])
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_long_mixed_batch(implementation, device, dtype, block_size, sharpness, generator):
+    """Long and short sequences together (long ones are split across threads and merged)."""
+    long_length = int(torch.randint(2000, 4000, (), generator=generator))
+    seq_lens = [long_length, 1, block_size + 1, long_length // 3, 2 * block_size]
+    check(implementation, *make_case(seq_lens, 8, 2, 128, block_size, dtype, generator, device,
+                                     sharpness))
+
+
+@pytest.mark.parametrize("layout", [(16, 8), (256, 128), (32, 64), (112, 16)],
+                         ids=lambda layout: f"d{layout[0]}-bs{layout[1]}")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_head_dim_and_block_size_extremes(implementation, device, dtype, layout, generator):
+    """The ends of the supported range: head_dim 16..256, block_size 8..128."""
+    head_dim, block_size = layout
+    seq_lens = [1, block_size + 3, 3 * block_size]
+    check(implementation, *make_case(seq_lens, 8, 2, head_dim, block_size, dtype, generator,
+                                     device))
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's thread count for one test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
+def test_thread_counts(implementation, device, threads, torch_threads, generator):
+    """Correct on any torch thread count, which the call leaves as it was."""
+    torch_threads(threads)
+    seq_lens = [int(torch.randint(1, 3000, (), generator=generator)) for _ in range(3)]
+    check(implementation, *make_case(seq_lens, 16, 2, 64, 16, torch.bfloat16, generator, device))
+    assert torch.get_num_threads() == threads
+
+
+FIRST_CALL_SCRIPT = """
+import torch
+torch.set_num_threads(1)
+import neo.ops
+q = torch.randn(2, 8, 64)
+cache = torch.randn(4, 2, 16, 64)
+table = torch.arange(4, dtype=torch.int32).view(2, 2)
+torch.ops.neo_{name}.paged_decode_attention(torch.empty_like(q), q, cache, cache, table,
+                                           torch.tensor([20, 3], dtype=torch.int32), 0.125)
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
+def test_first_call_in_a_process_keeps_torch_threads(implementation, device):
+    """The first call may start a thread pool (numba's shares OpenMP settings with torch's)."""
+    result = subprocess.run([sys.executable, "-c",
+                             FIRST_CALL_SCRIPT.format(name=implementation.name)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "1", "the call changed torch.get_num_threads()"
+
+
+@pytest.mark.parametrize("magnitude", ["subnormal", "large"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_half_precision_extremes(implementation, device, dtype, magnitude, generator):
+    """K and V near the ends of the half type's range (fp16 subnormals; huge values)."""
+    q, paged, scale = make_case([70, 1, 33], 8, 2, 64, 16, dtype, generator, device)
+    factor = {"subnormal": {torch.float16: 2.0 ** -20, torch.bfloat16: 2.0 ** -130},
+              "large": {torch.float16: 2.0 ** 10, torch.bfloat16: 2.0 ** 100}}[magnitude][dtype]
+    paged.v_cache.mul_(factor)
+    if magnitude == "subnormal":
+        paged.k_cache.mul_(factor)
+    else:  # large values, small scores: q and the scale shrink to keep the softmax finite
+        q.mul_(1.0 / factor)
+    assert not paged.v_cache.isinf().any()
+    subnormal_spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    assert_close(run(implementation, q, paged, scale), decode_attention_float64(q, paged, scale),
+                 dtype, absolute=subnormal_spacing)
+
+
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_no_sequences(implementation, device, generator):
+    q, paged, scale = make_case([5], 8, 2, 64, 16, torch.float16, generator, device)
+    empty = torch.empty((0, 8, 64), dtype=torch.float16, device=device)
+    implementation.function(empty, empty.clone(), paged.k_cache, paged.v_cache,
+                            paged.block_table[:0], paged.seq_lens[:0], scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Thread safety: the CPU attention runs on a worker thread while the main thread drives the GPU.
+
+def run_in_thread(function, results, errors):
+    def body():
+        try:
+            results.append(function())
+        except BaseException as error:  # re-raised on the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
+def test_worker_thread_while_main_thread_works(implementation, device, generator):
+    case = make_case([2500, 700, 33], 32, 8, 128, 16, torch.bfloat16, generator, device)
+    expected = decode_attention_float64(*case)
+    matrix = torch.randn(256, 256, generator=generator)
+    expected_product = matrix @ matrix
+    results, errors = [], []
+    thread = run_in_thread(lambda: [run(implementation, *case) for _ in range(4)], results,
+                           errors)
+    products = 0
+    while thread.is_alive() or products < 10:
+        torch.testing.assert_close(matrix @ matrix, expected_product)
+        products += 1
+    thread.join()
+    if errors:
+        raise errors[0]
+    for out in results[0]:
+        assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
+def test_concurrent_calls(implementation, device, generator):
+    cases = [make_case([1500, 40], 16, 4, 64, 16, torch.float16, generator, device),
+             make_case([900, 2100, 1], 8, 8, 128, 32, torch.float32, generator, device)]
+    results, errors = [[], []], []
+    threads = [run_in_thread(lambda case=case: [run(implementation, *case) for _ in range(3)],
+                             outputs, errors) for case, outputs in zip(cases, results)]
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    for case, outputs in zip(cases, results):
+        expected = decode_attention_float64(*case)
+        for out in outputs[0]:
+            assert_close(out, expected, case[0].dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: every implementation rejects it with a message naming the problem. The CUDA kernel
+# checks only what needs no host sync (shapes, dtypes, layout); the others check values too.
+
+def valid_arguments(device, generator, head_dim=64, block_size=16, num_heads=8, num_kv_heads=2):
+    q, paged, scale = make_case([20, 5], num_heads, num_kv_heads, head_dim, block_size,
+                                torch.float32, generator, device)
+    return {"out": poisoned_like(q), "q": q, "k_cache": paged.k_cache,
+            "v_cache": paged.v_cache, "block_table": paged.block_table,
+            "seq_lens": paged.seq_lens, "scale": scale}
+
+
+def with_dtype(arguments, dtype, names=("out", "q", "k_cache", "v_cache")):
+    return {**arguments, **{name: arguments[name].to(dtype) for name in names}}
+
+
+def non_contiguous(tensor):
+    """The same values and shape, with the first two dimensions' strides swapped."""
+    return tensor.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def with_table_entry(arguments, seq, column, value):
+    table = arguments["block_table"].clone()
+    table[seq, column] = value
+    return {**arguments, "block_table": table}
+
+
+def with_seq_len(arguments, seq, value):
+    seq_lens = arguments["seq_lens"].clone()
+    seq_lens[seq] = value
+    return {**arguments, "seq_lens": seq_lens}
+
+
+def rebuilt(**layout):
+    return lambda arguments, device, generator: valid_arguments(device, generator, **layout)
+
+
+def changed(change):
+    return lambda arguments, device, generator: change(arguments)
+
+
+# name -> (how to break valid arguments, phrase of the error, needs a value check)
+BAD_INPUTS = {
+    "float64": (changed(lambda a: with_dtype(a, torch.float64)),
+                "float32, float16 or bfloat16", False),
+    "int32-q": (changed(lambda a: with_dtype(a, torch.int32)),
+                "float32, float16 or bfloat16", False),
+    "q-bf16-cache-fp32": (changed(lambda a: with_dtype(a, torch.bfloat16, ("q", "out"))),
+                          "share one dtype", False),
+    "out-fp16": (changed(lambda a: with_dtype(a, torch.float16, ("out",))),
+                 "share one dtype", False),
+    "v-cache-fp16": (changed(lambda a: with_dtype(a, torch.float16, ("v_cache",))),
+                     "v_cache dtype", False),
+    "q-2d": (changed(lambda a: {**a, "q": a["q"][:, 0], "out": a["out"][:, 0]}),
+             r"q must be \[num_seqs, num_heads, head_dim\]", False),
+    "out-shape": (changed(lambda a: {**a, "out": a["out"][:, :4].contiguous()}),
+                  "out shape", False),
+    "k-cache-3d": (changed(lambda a: {**a, "k_cache": a["k_cache"][0],
+                                      "v_cache": a["v_cache"][0]}),
+                   r"k_cache must be \[num_blocks, num_kv_heads, block_size, head_dim\]", False),
+    "v-cache-shape": (changed(lambda a: {**a, "v_cache": a["v_cache"][1:].contiguous()}),
+                      "v_cache shape", False),
+    "q-head-dim": (changed(lambda a: {**a, "q": a["q"][..., :48].contiguous(),
+                                      "out": a["out"][..., :48].contiguous()}),
+                   "head_dim 48 differs", False),
+    "block-table-rows": (changed(lambda a: {**a, "block_table": a["block_table"][:1]}),
+                         "block_table has 1 rows", False),
+    "block-table-int64": (changed(lambda a: {**a, "block_table": a["block_table"].long()}),
+                          "block_table must be int32", False),
+    "seq-lens-int64": (changed(lambda a: {**a, "seq_lens": a["seq_lens"].long()}),
+                       "seq_lens must be int32", False),
+    "seq-lens-length": (changed(lambda a: {**a, "seq_lens": a["seq_lens"][:1]}),
+                        "seq_lens must be int32", False),
+    "q-non-contiguous": (changed(lambda a: {**a, "q": non_contiguous(a["q"])}),
+                         "must be contiguous", False),
+    "out-non-contiguous": (changed(lambda a: {**a, "out": non_contiguous(a["out"])}),
+                           "must be contiguous", False),
+    "cache-non-contiguous": (changed(lambda a: {**a, "k_cache": non_contiguous(a["k_cache"])}),
+                             "must be contiguous", False),
+    "head-dim-72": (rebuilt(head_dim=72), "head_dim must be a multiple of 16", False),
+    "head-dim-272": (rebuilt(head_dim=272), "head_dim must be a multiple of 16 up to 256",
+                     False),
+    "block-size-12": (rebuilt(block_size=12), "block_size must be a power of two", False),
+    "block-size-4": (rebuilt(block_size=4), "block_size must be a power of two", False),
+    "block-size-256": (rebuilt(block_size=256), "block_size must be a power of two", False),
+    "heads-6-of-4": (rebuilt(num_heads=6, num_kv_heads=4), "not a multiple of num_kv_heads",
+                     False),
+    "block-id-too-large": (changed(lambda a: with_table_entry(a, 0, 1, a["k_cache"].shape[0])),
+                           r"block id \d+ at block_table\[0, 1\] is outside", True),
+    "block-id-negative": (changed(lambda a: with_table_entry(a, 1, 0, -1)),
+                          r"block id -1 at block_table\[1, 0\] is outside", True),
+    "seq-len-0": (changed(lambda a: with_seq_len(a, 1, 0)), "every seq_len must be >= 1", True),
+    "seq-len-negative": (changed(lambda a: with_seq_len(a, 0, -7)),
+                         "every seq_len must be >= 1", True),
+    "seq-len-beyond-blocks": (changed(lambda a: with_seq_len(a, 1, 16 * a["block_table"].shape[1]
+                                                             + 1)),
+                              r"seq_len \d+ of sequence 1 needs \d+ blocks but block_table has",
+                              True),
+}
+
+
+def bad_input_params():
+    return [pytest.param(*param.values, name, marks=param.marks, id=f"{param.id}-{name}")
+            for param in IMPLEMENTATIONS for name, (_, _, reads_values) in BAD_INPUTS.items()
+            if not (reads_values and param.values[0].name == "cuda")]
+
+
+@pytest.mark.parametrize(("implementation", "device"), IMPLEMENTATIONS)
+def test_valid_arguments_are_accepted(implementation, device, generator):
+    """The starting point of every bad-input case runs (and ignores the garbage table entries)."""
+    arguments = valid_arguments(device, generator)
+    implementation.function(*arguments.values())
+    assert not arguments["out"].isnan().any()
+
+
+@pytest.mark.parametrize(("implementation", "device", "name"), bad_input_params())
+def test_bad_input_raises(implementation, device, name, generator):
+    breaking, phrase, _ = BAD_INPUTS[name]
+    arguments = breaking(valid_arguments(device, generator), device, generator)
+    with pytest.raises((ValueError, RuntimeError), match=phrase):
+        implementation.function(*arguments.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks of the numba kernel that the grids above reach only partly: the float16
+# decoder of targets without F16C, and the exponential.
+
+def numba_kernels_or_skip():
+    numba = [impl for impl in neo.ops.implementations(OP, available_only=False)
+             if impl.name == "numba"]
+    if not numba or not numba[0].available:
+        pytest.skip(f"numba: {numba[0].note if numba else 'not registered'}")
+    from neo.ops import numba_kernels
+
+    return numba_kernels
+
+
+def all_bit_patterns(dtype):
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("decoder", ["portable-float16", "hardware-float16", "bfloat16"])
+def test_numba_half_decoders_are_exact(decoder):
+    numba_kernels = numba_kernels_or_skip()
+    from numba import njit
+
+    if decoder == "hardware-float16" and not numba_kernels.HARDWARE_FLOAT16:
+        pytest.skip("numba's target CPU has no F16C")
+    dtype, bits_dtype, function = {
+        "portable-float16": (torch.float16, torch.int16, numba_kernels._decode_float16),
+        "hardware-float16": (torch.float16, torch.int16,
+                             numba_kernels._float16_bits_to_float32),
+        "bfloat16": (torch.bfloat16, torch.uint16, numba_kernels._decode_bfloat16)}[decoder]
+
+    @njit
+    def decode_all(bits):
+        out = np.empty(bits.shape[0], np.float32)
+        for i in range(bits.shape[0]):
+            out[i] = function(bits[i])
+        return out
+
+    values = all_bit_patterns(dtype)
+    decoded = torch.from_numpy(decode_all(values.view(bits_dtype).numpy()))
+    expected = values.float()
+    same_bits = decoded.view(torch.int32) == expected.view(torch.int32)
+    assert (same_bits | (decoded.isnan() & expected.isnan())).all()
+
+
+def test_numba_exp():
+    numba_kernels = numba_kernels_or_skip()
+    from numba import njit
+
+    exp = numba_kernels._exp_nonpositive
+
+    @njit(fastmath=numba_kernels.FAST_MATH)
+    def exp_all(x):
+        out = np.empty(x.shape[0], np.float32)
+        for i in range(x.shape[0]):
+            out[i] = exp(x[i])
+        return out
+
+    x = torch.cat((torch.linspace(-87.0, 0.0, 200001), torch.tensor([-0.0, -1e-30])))
+    result = torch.from_numpy(exp_all(x.numpy())).double()
+    expected = torch.exp(x.double())
+    assert ((result - expected).abs() / expected).max() < 1e-5
+    assert exp_all(np.array([-np.inf, -200.0, -1e30], np.float32)).tolist() == [0.0, 0.0, 0.0]
