@@ -85,8 +85,8 @@ class OffloadScheduler(Scheduler):
         output = SchedulerOutput()
         batch0 = SubBatch()
         host_requests = self._make_decode_slots(batch0, output)
-        self._admit_prefills_to_pools(batch0, budget=self.config.max_num_batched_tokens
-                                      - len(batch0.gpu_decodes) - len(host_requests))
+        self._admit_prefills(batch0, budget=self.config.max_num_batched_tokens
+                             - len(batch0.gpu_decodes) - len(host_requests))
         if not self.full_offload:
             host_requests = self._move_to_gpu(host_requests, batch0, output)
         batch1 = self._place_host_decodes(batch0, host_requests)
@@ -142,36 +142,14 @@ class OffloadScheduler(Scheduler):
             return
         self._recompute_later(request)
 
-    def _recompute_later(self, request: Request) -> None:
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.running.remove(request)
-        self.block_manager.free(request)
-        request.num_cached_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
     # -- 2. prefills ---------------------------------------------------------------------------
 
-    def _admit_prefills_to_pools(self, batch0: SubBatch, budget: int) -> None:
-        manager = self.block_manager
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if request.num_tokens > budget:
-                break
-            reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
-            if not self.full_offload and manager.can_allocate(request.num_tokens, GPU, reserve=reserve):
-                location = GPU
-            elif manager.can_allocate(request.num_tokens + 1, CPU):
-                location = CPU
-            else:
-                break
-            self.waiting.popleft()
-            manager.allocate(request, location)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch0.prefills.append(request)
-            budget -= request.num_tokens
+    def _prefill_location(self, request: Request) -> KVLocation | None:
+        """The GPU pool while it has room, else the host pool (a prompt's KV is copied out
+        layer by layer as the prefill makes it)."""
+        if not self.full_offload and super()._prefill_location(request) is GPU:
+            return GPU
+        return CPU if self.block_manager.can_allocate(request.num_tokens + 1, CPU) else None
 
     # -- 3. host -> GPU ------------------------------------------------------------------------
 

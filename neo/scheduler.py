@@ -96,17 +96,26 @@ class Scheduler:
             self.finish(request, "length")
             output.finished.append(request)
             return
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         if self.block_manager.can_move(request, CPU):
+            request.num_preemptions += 1
+            self.num_preemptions += 1
             output.swap_out += self.block_manager.move(request, CPU)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
         else:  # no room on the host either: drop the KV and prefill again later
-            self.block_manager.free(request)
-            request.num_cached_tokens = 0
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._recompute_later(request)
+
+    def _recompute_later(self, request: Request) -> None:
+        """Preempt by dropping the request's KV; it waits at the head of the queue to be
+        prefilled again (prompt and output so far)."""
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request in self.running:
+            self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_cached_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _swap_in(self, batch: SubBatch, output: SchedulerOutput) -> None:
         manager = self.block_manager
@@ -123,17 +132,23 @@ class Scheduler:
             batch.gpu_decodes.append(request)
 
     def _admit_prefills(self, batch: SubBatch, budget: int) -> None:
-        manager = self.block_manager
+        """Prefill waiting requests, oldest first, while the budget, the sequence cap and the
+        pools allow."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_tokens > budget:
                 break
-            reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
-            if not manager.can_allocate(request.num_tokens, GPU, reserve=reserve):
+            location = self._prefill_location(request)
+            if location is None:
                 break
             self.waiting.popleft()
-            manager.allocate(request, GPU)
+            self.block_manager.allocate(request, location)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.prefills.append(request)
             budget -= request.num_tokens
+
+    def _prefill_location(self, request: Request) -> KVLocation | None:
+        """The pool a new request's KV goes to, or None if it must wait."""
+        reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
+        return GPU if self.block_manager.can_allocate(request.num_tokens, GPU, reserve=reserve) else None
