@@ -8,19 +8,19 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphs
 from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
+from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
 from .kv_cache import GIB, CacheLayout, KVCache
 from .memory import gpu_kv_cache_bytes
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .model_config import parse_dtype
 from .model_runner import ModelRunner
+from .offload_scheduler import OffloadScheduler
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .profiler import load_perf_model
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
-from .offload_scheduler import OffloadScheduler
-from .profiler import load_perf_model
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
 

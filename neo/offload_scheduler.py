@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .perf_model import PerfModel
-from .request import KVLocation, Request, RequestStatus
+from .request import KVLocation, Request
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 

@@ -24,8 +24,13 @@ from neo.engine import LLMEngine
 
 from . import prometheus
 from .async_engine import AsyncEngine
-from .protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, model_card,
-                       parse_request)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    model_card,
+    parse_request,
+)
 from .serving import OpenAIServing, error_response
 
 # How long uvicorn waits for open connections at shutdown before cancelling them.

@@ -17,10 +17,21 @@ from neo.outputs import RequestOutput
 
 from .async_engine import AsyncEngine, EngineStopped, RequestFailed
 from .detokenizer import IncrementalDetokenizer
-from .protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError, ResponseShape,
-                       error_body, usage)
-from .streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, sse_event,
-                        until_disconnect)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    ResponseShape,
+    error_body,
+    usage,
+)
+from .streaming import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EventStreamResponse,
+    sse_event,
+    until_disconnect,
+)
 
 logger = logging.getLogger(__name__)
 
