@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -23,8 +25,39 @@ namespace {
 
 using neo_cuda::DataType;
 
-#define NEO_CHECK(condition, op, ...) \
-  TORCH_CHECK_VALUE(condition, "neo.", op, ": ", __VA_ARGS__)
+// Error messages are assembled with std::string alone: in CUDA extensions loaded by some
+// torch builds, constructing a std::ostringstream (which c10::str uses for non-string
+// arguments) crashes the process, so the usual TORCH_CHECK formatting cannot be used here.
+void append(std::string& text, const char* piece) { text += piece; }
+void append(std::string& text, const std::string& piece) { text += piece; }
+void append(std::string& text, at::ScalarType type) { text += c10::toString(type); }
+void append(std::string& text, const c10::Device& device) { text += device.str(); }
+void append(std::string& text, double value) { text += std::to_string(value); }
+void append(std::string& text, at::IntArrayRef sizes) {
+  text += "[";
+  for (size_t index = 0; index < sizes.size(); ++index) {
+    if (index) text += ", ";
+    text += std::to_string(sizes[index]);
+  }
+  text += "]";
+}
+template <typename Integer, typename = std::enable_if_t<std::is_integral_v<Integer>>>
+void append(std::string& text, Integer value) {
+  text += std::to_string(value);
+}
+
+template <typename... Pieces>
+[[noreturn]] void throw_value_error(const char* op, const Pieces&... pieces) {
+  std::string message = std::string("neo.") + op + ": ";
+  (append(message, pieces), ...);
+  TORCH_CHECK_VALUE(false, message);
+  __builtin_unreachable();
+}
+
+#define NEO_CHECK(condition, op, ...)              \
+  do {                                             \
+    if (!(condition)) throw_value_error(op, __VA_ARGS__); \
+  } while (false)
 
 constexpr int64_t kMinBlockSize = 8;
 constexpr int64_t kMaxBlockSize = 128;

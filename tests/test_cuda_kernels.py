@@ -197,7 +197,7 @@ def test_swap_is_ordered_on_the_current_stream_without_host_sync(cuda_ops):
         assert (host[destination] == 3.0).all()
 
 
-def test_swap_pageable_memory_warns_and_still_copies(cuda_ops):
+def test_swap_pageable_memory_warns_and_still_copies(cuda_ops, capfd):
     gpu = cache_blocks(12)
     host = torch.zeros(12, 4, 16, 64, dtype=torch.bfloat16)
     mapping = torch.tensor(MAPPING_WITH_RUNS, dtype=torch.int64)
@@ -210,7 +210,10 @@ def test_swap_pageable_memory_warns_and_still_copies(cuda_ops):
     finally:
         torch.set_warn_always(previous)
     torch.cuda.synchronize()
-    assert any("pinned" in str(warning.message) for warning in caught)
+    # Depending on how the op was reached, torch turns the C++ warning into a Python warning
+    # or prints it on stderr.
+    printed = capfd.readouterr().err
+    assert any("pinned" in str(warning.message) for warning in caught) or "pinned" in printed
     for source, destination in MAPPING_WITH_RUNS:
         assert torch.equal(host[destination], gpu[source].cpu())
 
