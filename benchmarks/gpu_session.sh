@@ -11,13 +11,15 @@
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
 #   engine-tests the engine on CUDA: float32 tokens vs CPU and transformers, bf16 logits
 #   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
-#   profile-32b / profile-8b   stage-time tables for the load-aware scheduler
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
+#                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
 #
 # Results go to $OUT (else results/raw): session.log, results.tar.gz (every JSON/log/plot) and
 # the built extensions (prebuilt-*.so). Carrying a folder .carry/prebuilt with those .so files
 # skips the compile; .carry/ispc holds ISPC (install.sh + the .xz) for building the CPU kernel.
+# Perf-model tables the engine profiles are cached in $NEO_CACHE_DIR (default .carry/cache,
+# so carrying it reuses them) and copied to the results.
 # Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,6 +27,7 @@ out=${OUT:-results/raw}
 mkdir -p "$out/files"
 exec > >(tee -a "$out/session.log") 2>&1
 export PYTHONUNBUFFERED=1
+export NEO_CACHE_DIR=${NEO_CACHE_DIR:-$PWD/.carry/cache}
 seconds=${SECONDS_PER_RUN:-60}
 requests=${NUM_REQUESTS:-256}
 echo "== $(date -Is) $(hostname) stages: $*"
@@ -96,25 +99,15 @@ stage_engine() {
   done
 }
 
-profile() {  # profile NAME MODEL GPU_GIB
-  run "profile-$1" neo profile --model "$2" --load-format dummy --dtype bfloat16 --gpu-kv-cache-gib "$3" \
-    --cpu-kv-cache-gib 64 --max-num-seqs 512 --max-model-len 4096 --output "$out/files/perf-$1.json"
-  mkdir -p .carry/perf && cp "$out/files/perf-$1.json" ".carry/perf/$1.json"
-}
-stage_profile_32b() { profile 32b qwen2.5-32b 2; }
-stage_profile_8b() { profile 8b llama-3.1-8b 2; }
-
-offload() {  # offload SCENARIO PERF_TABLE [extra arguments]
-  local scenario=$1 table=$2; shift 2
-  local perf=auto
-  [ -f "$table" ] && perf=$table
+offload() {  # offload SCENARIO [extra arguments]: the engine profiles this machine on first use
+  local scenario=$1; shift
   run "offload-$scenario" python3 benchmarks/offload.py --scenario "$scenario" --duration "$seconds" \
-    --num-requests "$requests" --perf-model "$perf" --output-dir "$out/files" "$@"
+    --num-requests "$requests" --output-dir "$out/files" "$@"
 }
-stage_offload_32b() { offload 32b-poor .carry/perf/32b.json; }
-stage_offload_8b_poor() { offload 8b-poor .carry/perf/8b.json; }
-stage_offload_8b_full() { offload 8b-full auto; }
-stage_offload_threads() { offload 32b-threads auto; }
+stage_offload_32b() { offload 32b-poor ${OFFLOAD_ARGS:-}; }
+stage_offload_8b_poor() { offload 8b-poor ${OFFLOAD_ARGS:-}; }
+stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
+stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
 
 stage_online() {
   run online python3 benchmarks/online.py --output-dir "$out/files" ${ONLINE_ARGS:-}
@@ -127,6 +120,7 @@ for stage in "$@"; do
   fi
   "$function"
 done
+[ -d "$NEO_CACHE_DIR/perf" ] && cp -r "$NEO_CACHE_DIR/perf" "$out/files/"
 tar -czf "$out/results.tar.gz" -C "$out" files
 echo "== done $(date -Is); failed: ${failures[*]:-none}"
 [ ${#failures[@]} -eq 0 ]

@@ -65,7 +65,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
         decode_positions = [request.num_tokens - 1 for request in requests]
         decode_slots = [request.block_table[position // block_size] * block_size + position % block_size
                         for request, position in zip(requests, decode_positions)]
-        token_ids.extend(request.output_token_ids[-1] for request in requests)
+        token_ids.extend(request.last_token_id for request in requests)
         positions.extend(decode_positions)
         slots.extend(decode_slots if on_device else [-1] * len(requests))
         logits_rows.extend(range(first_row, first_row + len(requests)))

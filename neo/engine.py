@@ -61,13 +61,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks,
                                           config.block_size)
         self.worker = None
-        if config.policy == "gpu-only":
-            self.scheduler = Scheduler(config, self.block_manager)
-        else:
+        if config.policy != "gpu-only":
             self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
-            self.perf_model = load_perf_model(config, self)
-            self.scheduler = OffloadScheduler(config, self.block_manager, self.perf_model,
-                                              self.model_config.num_layers)
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
                                     max_offload_tokens=config.max_num_batched_tokens,
@@ -77,6 +72,11 @@ class LLMEngine:
             decode_graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                          min(self.max_model_len, config.cuda_graph_max_context), self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs)
+        if config.policy == "gpu-only":
+            self.scheduler = Scheduler(config, self.block_manager)
+        else:  # the profiler, when it runs, measures through the runner built above
+            self.scheduler = OffloadScheduler(config, self.block_manager, load_perf_model(config, self),
+                                              self.model_config.num_layers)
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}

@@ -1,0 +1,62 @@
+"""The profiler measures a table the engine can load; the perf model interpolates it."""
+
+import json
+
+import pytest
+
+from neo import EngineConfig, LLMEngine
+from neo.cli import main as cli_main
+from neo.perf_model import PerfModel, PerfTable, interpolate
+
+SMALL = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.02, max_num_batched_tokens=256, max_num_seqs=16)
+
+
+def test_interpolate_is_piecewise_linear_and_extrapolates():
+    xs, ys = [1, 3, 7], [10.0, 30.0, 50.0]
+    assert interpolate(xs, ys, 2) == pytest.approx(20.0)
+    assert interpolate(xs, ys, 5) == pytest.approx(40.0)
+    assert interpolate(xs, ys, 9) == pytest.approx(60.0)
+    assert interpolate(xs, ys, 0) == pytest.approx(0.0)
+    assert interpolate([4], [8.0], 2) == pytest.approx(4.0)
+
+
+def test_cpu_attention_is_bilinear():
+    table = PerfTable(cpu_attention_requests=[1, 5], cpu_attention_tokens=[100, 300],
+                      cpu_attention_seconds=[[1.0, 3.0], [2.0, 4.0]])
+    model = PerfModel(table)
+    assert model.cpu_attention(3, 200) == pytest.approx(2.5)
+    assert model.cpu_attention(0, 200) == 0.0
+
+
+def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "perf.json"
+    arguments = ["profile", "--model", "neo-tiny", "--output", str(path), "--gpu-kv-cache-gib",
+                 str(SMALL["gpu_kv_cache_gib"]), "--cpu-kv-cache-gib", str(SMALL["cpu_kv_cache_gib"]),
+                 "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+    assert cli_main(arguments) == 0
+    table = json.loads(path.read_text())
+    assert table["key"]["model_shape"][0] == "LlamaForCausalLM"
+    for name in ("linear", "gpu_attention", "prefill"):
+        seconds = table[f"{name}_seconds"]
+        assert seconds and all(value > 0 for value in seconds), name
+    assert all(value > 0 for row in table["cpu_attention_seconds"] for value in row)
+    assert table["linear_seconds"][-1] > table["linear_seconds"][0]  # 256 tokens cost more than 1
+    engine = LLMEngine(EngineConfig(policy="neo", perf_model=str(path), **SMALL))
+    try:
+        model = engine.scheduler.perf_model
+        assert not model.is_zero and model.linear(256) == pytest.approx(table["linear_seconds"][-1])
+    finally:
+        engine.close()
+
+
+def test_auto_profiles_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    first = LLMEngine(EngineConfig(policy="full-offload", perf_model="auto", **SMALL))
+    first.close()
+    cached = list((tmp_path / "perf").glob("*.json"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    second = LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL))
+    second.close()
+    assert cached[0].stat().st_mtime_ns == stamp, "the second engine profiled again"
