@@ -1,0 +1,196 @@
+// C++ driver of the ISPC paged decode-attention kernel: checks the arguments, splits the work
+// into chunks (attention_plan.h), runs the chunks on at::parallel_for's threads, and merges the
+// partial results of sequences that were split across chunks.
+
+#include "decode_attention_ispc.h"
+
+#include "attention_plan.h"
+#include "checks.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <vector>
+
+namespace neo_cpu {
+namespace {
+
+constexpr const char* kOp = "paged_decode_attention";
+
+void check_arguments(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens) {
+    check_cache_layout(kOp, k_cache, v_cache);
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                      "neo.", kOp, ": q dtype must be float32, float16 or bfloat16, got ", dtype);
+    TORCH_CHECK_VALUE(dtype == k_cache.scalar_type() && dtype == out.scalar_type(), "neo.", kOp,
+                      ": q, caches and out must share one dtype, got q ", dtype, ", cache ",
+                      k_cache.scalar_type(), ", out ", out.scalar_type());
+    TORCH_CHECK_VALUE(q.dim() == 3, "neo.", kOp, ": q must be [num_seqs, num_heads, head_dim], "
+                      "got ", q.sizes());
+    TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "neo.", kOp, ": out shape ", out.sizes(),
+                      " differs from q shape ", q.sizes());
+    TORCH_CHECK_VALUE(q.is_contiguous() && out.is_contiguous(), "neo.", kOp,
+                      ": q and out must be contiguous");
+    const int64_t num_seqs = q.size(0);
+    const int64_t num_heads = q.size(1);
+    const int64_t num_kv_heads = k_cache.size(1);
+    TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3), "neo.", kOp, ": q head_dim ", q.size(2),
+                      " differs from the cache's ", k_cache.size(3));
+    TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "neo.", kOp,
+                      ": num_heads ", num_heads, " is not a multiple of num_kv_heads ",
+                      num_kv_heads);
+    TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "neo.",
+                      kOp, ": block_table must be int32 [num_seqs, max_blocks_per_seq], got ",
+                      block_table.scalar_type(), " ", block_table.sizes());
+    TORCH_CHECK_VALUE(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                          seq_lens.size(0) == num_seqs,
+                      "neo.", kOp, ": seq_lens must be int32 [", num_seqs, "], got ",
+                      seq_lens.scalar_type(), " ", seq_lens.sizes());
+    TORCH_CHECK_VALUE(block_table.size(0) == num_seqs, "neo.", kOp, ": block_table has ",
+                      block_table.size(0), " rows for ", num_seqs, " sequences");
+    check_on_cpu(kOp, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"out", &out},
+                       {"block_table", &block_table}, {"seq_lens", &seq_lens}});
+}
+
+// seq_lens: [num_seqs]; block_table: [num_seqs, max_blocks] (both contiguous int32).
+void check_values(const int32_t* seq_lens, const int32_t* block_table, int64_t num_seqs,
+                  int64_t max_blocks, int64_t block_size, int64_t num_blocks) {
+    for (int64_t sequence = 0; sequence < num_seqs; sequence++) {
+        TORCH_CHECK_VALUE(seq_lens[sequence] >= 1, "neo.", kOp, ": every seq_len must be >= 1, "
+                          "got ", seq_lens[sequence], " for sequence ", sequence);
+    }
+    for (int64_t sequence = 0; sequence < num_seqs; sequence++) {
+        const int64_t blocks_needed = (seq_lens[sequence] + block_size - 1) / block_size;
+        TORCH_CHECK_VALUE(blocks_needed <= max_blocks, "neo.", kOp, ": seq_len ",
+                          seq_lens[sequence], " of sequence ", sequence, " needs ", blocks_needed,
+                          " blocks but block_table has ", max_blocks, " columns");
+        for (int64_t column = 0; column < blocks_needed; column++) {
+            const int32_t block = block_table[sequence * max_blocks + column];
+            TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "neo.", kOp, ": block id ", block,
+                              " at block_table[", sequence, ", ", column, "] is outside the "
+                              "cache's ", num_blocks, " blocks");
+        }
+    }
+}
+
+// The ISPC entry points for one storage type (float, or uint16_t for the 16-bit types).
+template <typename Storage>
+struct Kernels {
+    void (*attend_chunk)(const Storage* query, const Storage* key_cache,
+                         const Storage* value_cache, int32_t block_size_log2,
+                         int32_t num_kv_heads, int32_t head_dim, int32_t group, float scale,
+                         const ispc::TokenRange* chunk, const ispc::TokenRange* next_chunk,
+                         bool prefetch_start, float* scaled_query, float* accumulator,
+                         float* running_max, float* running_sum);
+    void (*merge_partials)(const float* partials, int32_t count, int32_t num_heads,
+                           int32_t head_dim, Storage* out);
+};
+
+template <typename Storage>
+void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tensor& q,
+         const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* block_table,
+         int64_t max_blocks, const int32_t* seq_lens, double scale) {
+    const int64_t num_seqs = q.size(0);
+    const int32_t num_heads = static_cast<int32_t>(q.size(1));
+    const int32_t head_dim = static_cast<int32_t>(q.size(2));
+    const int32_t num_kv_heads = static_cast<int32_t>(k_cache.size(1));
+    const int32_t group = num_heads / num_kv_heads;
+    const int32_t block_size_log2 = __builtin_ctzll(static_cast<uint64_t>(k_cache.size(2)));
+    // A partial result: accumulator [num_heads, head_dim], running_max and running_sum
+    // [num_heads].
+    const int64_t partial_floats = static_cast<int64_t>(num_heads) * (head_dim + 2);
+    const int64_t query_floats = static_cast<int64_t>(num_heads) * head_dim;
+
+    const auto* queries = static_cast<const Storage*>(q.data_ptr());
+    const auto* keys = static_cast<const Storage*>(k_cache.data_ptr());
+    const auto* values = static_cast<const Storage*>(v_cache.data_ptr());
+    auto* outputs = static_cast<Storage*>(out.data_ptr());
+
+    const int64_t num_threads = at::get_num_threads();
+    const AttentionPlan plan = plan_attention(seq_lens, num_seqs, num_threads);
+    std::vector<float> partials(plan.num_partials * partial_floats);
+    const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
+    auto token_range = [&](int64_t index) {
+        if (index >= num_chunks) return ispc::TokenRange{block_table, 0, 0};
+        const AttentionChunk& chunk = plan.chunks[index];
+        return ispc::TokenRange{block_table + chunk.sequence * max_blocks, chunk.token_begin,
+                                chunk.token_end};
+    };
+    std::atomic<int64_t> next_chunk{0};
+
+    // Each thread takes chunks from the shared counter, one ahead of the one it works on, so
+    // that the kernel can prefetch the start of its next chunk.
+    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+        std::vector<float> scratch(query_floats + partial_floats);
+        float* scaled_query = scratch.data();
+        float* whole_sequence_partial = scaled_query + query_floats;
+        bool first_chunk = true;
+        for (int64_t index = next_chunk++; index < num_chunks; first_chunk = false) {
+            const int64_t following = next_chunk++;
+            const AttentionChunk& chunk = plan.chunks[index];
+            const ispc::TokenRange range = token_range(index);
+            const ispc::TokenRange next_range = token_range(following);
+            float* partial = chunk.partial_index < 0
+                                 ? whole_sequence_partial
+                                 : partials.data() + chunk.partial_index * partial_floats;
+            kernels.attend_chunk(queries + chunk.sequence * query_floats, keys, values,
+                                 block_size_log2, num_kv_heads, head_dim, group,
+                                 static_cast<float>(scale), &range, &next_range, first_chunk,
+                                 scaled_query, partial, partial + query_floats,
+                                 partial + query_floats + num_heads);
+            if (chunk.partial_index < 0) {
+                kernels.merge_partials(partial, 1, num_heads, head_dim,
+                                       outputs + chunk.sequence * query_floats);
+            }
+            index = following;
+        }
+    });
+
+    const int64_t num_split = static_cast<int64_t>(plan.split_sequences.size());
+    at::parallel_for(0, num_split, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t index = begin; index < end; index++) {
+            const SplitSequence& split = plan.split_sequences[index];
+            kernels.merge_partials(partials.data() + split.first_partial * partial_floats,
+                                   split.count, num_heads, head_dim,
+                                   outputs + split.sequence * query_floats);
+        }
+    });
+}
+
+}  // namespace
+
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale) {
+    check_arguments(out, q, k_cache, v_cache, block_table, seq_lens);
+    const at::Tensor table = block_table.contiguous();
+    const at::Tensor lengths = seq_lens.contiguous();
+    const int64_t num_seqs = q.size(0);
+    const int64_t max_blocks = table.size(1);
+    const int32_t* table_data = table.data_ptr<int32_t>();
+    const int32_t* length_data = lengths.data_ptr<int32_t>();
+    check_values(length_data, table_data, num_seqs, max_blocks, k_cache.size(2), k_cache.size(0));
+    if (num_seqs == 0 || q.size(1) == 0) return;
+
+    switch (q.scalar_type()) {
+        case at::kFloat:
+            run<float>({ispc::attend_chunk_f32, ispc::merge_partials_f32}, out, q, k_cache,
+                       v_cache, table_data, max_blocks, length_data, scale);
+            break;
+        case at::kHalf:
+            run<uint16_t>({ispc::attend_chunk_f16, ispc::merge_partials_f16}, out, q, k_cache,
+                          v_cache, table_data, max_blocks, length_data, scale);
+            break;
+        default:  // bfloat16; check_arguments admits no other dtype
+            run<uint16_t>({ispc::attend_chunk_bf16, ispc::merge_partials_bf16}, out, q, k_cache,
+                          v_cache, table_data, max_blocks, length_data, scale);
+            break;
+    }
+}
+
+}  // namespace neo_cpu

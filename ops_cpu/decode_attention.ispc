@@ -1,0 +1,177 @@
+// Paged decode attention kernels: one query token per sequence against its paged K/V cache.
+//
+// Exported per storage type (f32, f16, bf16):
+//   attend_chunk_<type>    one KV group's query heads over a token range of one sequence,
+//                          producing an unnormalized partial (accumulator, max, sum);
+//   merge_partials_<type>  log-sum-exp merge of a row's partials into the output.
+// The C++ driver (decode_attention.cpp) splits the work over threads and calls these.
+//
+// A chunk is walked in tiles of whole blocks (up to TILE_BYTES of K and V), and each tile over
+// the KV heads (attention_tile.isph). The K/V rows of a sequence lie in scattered blocks, out of
+// the hardware prefetcher's reach, so the kernel prefetches every row one tile ahead of the one
+// it computes on (into L2), across the end of the chunk into the chunk its thread runs next,
+// and the rows it is about to read from L2 into L1.
+
+#include "attention_elements.isph"
+
+// Bytes of K and V (over all KV heads) a tile spans at most: small enough that the tile being
+// computed and the one being prefetched stay in the L2 cache.
+#define TILE_BYTES 131072
+#define MAX_TILE_TOKENS 128
+#define MAX_SLICE_HEADS 8
+#define CACHE_LINE_BYTES 64
+
+#define JOIN_EXPANDED(a, b) a##b
+#define JOIN(a, b) JOIN_EXPANDED(a, b)
+#define TILE_FUNCTION_EXPANDED(suffix, heads) attend_tile_##suffix##_##heads
+#define TILE_FUNCTION(suffix, heads) TILE_FUNCTION_EXPANDED(suffix, heads)
+
+// The lanes of a with bit `width` of the lane index clear get a[l] + a[l ^ width]; the others
+// get b[l] + b[l ^ width]: one step of a transposing reduction (a blend, a two-source shuffle and
+// an add).
+static inline float combine_lanes(float a, float b, uniform int width) {
+    bool lower = (programIndex & width) == 0;
+    int partner = lower ? programIndex + width : programIndex - width + programCount;
+    return select(lower, a, b) + shuffle(a, b, partner);
+}
+
+// Given pair_sums[m] = combine_lanes(v[2m], v[2m + 1], 1) for programCount vectors v, returns
+// the vector whose lane l is the sum of the lanes of v[l]. Overwrites `pair_sums`.
+static inline float finish_lane_sums(float pair_sums[programCount / 2]) {
+#pragma unroll
+    for (uniform int width = 2; width < programCount; width *= 2) {
+#pragma unroll
+        for (uniform int k = 0; k < programCount / (2 * width); k++) {
+            pair_sums[k] = combine_lanes(pair_sums[2 * k], pair_sums[2 * k + 1], width);
+        }
+    }
+    return pair_sums[0];
+}
+
+// e^x for x <= 0 (scores minus their maximum), as 2^n * 2^f with f in [-1/2, 1/2] and 2^f from
+// its degree-6 Taylor polynomial: absolute error below 2e-7, against softmax weights of at most
+// 1. Below 2^-126 the result is 2^-126 (a weight no float sum can see); NaN stays NaN.
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504f;
+    t = select(t < -126.0f, -126.0f, t);
+    float n = round(t);
+    float f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    return p * floatbits(((int)n + 127) << 23);
+}
+
+// Online softmax step for one head over one tile: turns scores[0, num_tokens) into
+// exp(score - new_max), updates running_max and running_sum, and returns the factor
+// exp(old_max - new_max) that earlier accumulations must be multiplied by.
+static inline uniform float softmax_tile(uniform float scores[], uniform int num_tokens,
+                                         uniform float &running_max, uniform float &running_sum) {
+    float tile_max = NEGATIVE_INFINITY;
+    foreach (t = 0 ... num_tokens) tile_max = max(tile_max, scores[t]);
+    uniform float new_max = max(running_max, reduce_max(tile_max));
+    float tile_sum = 0;
+    foreach (t = 0 ... num_tokens) {
+        float probability = exp_nonpositive(scores[t] - new_max);
+        scores[t] = probability;
+        tile_sum += probability;
+    }
+    uniform float rescale = new_max == running_max ? 1.0f : exp(running_max - new_max);
+    running_sum = running_sum * rescale + reduce_add(tile_sum);
+    running_max = new_max;
+    return rescale;
+}
+
+// A token range of one sequence: the chunk a call works on.
+struct TokenRange {
+    const int32 * block_ids;  // the sequence's row of the block table
+    int32 token_begin;
+    int32 token_end;
+};
+
+// Element offset of the K/V row of `token` of `range`, KV head 0, in the cache.
+static inline uniform int64 row_offset(uniform const TokenRange * uniform range,
+                                       uniform int64 block_stride, uniform int block_size_log2,
+                                       uniform int head_dim, uniform int token) {
+    uniform int64 block = range->block_ids[token >> block_size_log2];
+    uniform int offset_in_block = token & ((1 << block_size_log2) - 1);
+    return block * block_stride + (uniform int64)offset_in_block * head_dim;
+}
+
+// Row offset of position `position` of `chunk` continued by `next`: positions past the end of
+// `chunk` continue at the start of `next`. `fallback` past both.
+static inline uniform int64 row_offset_ahead(uniform const TokenRange * uniform chunk,
+                                             uniform const TokenRange * uniform next,
+                                             uniform int64 block_stride,
+                                             uniform int block_size_log2, uniform int head_dim,
+                                             uniform int position, uniform int64 fallback) {
+    if (position < chunk->token_end) {
+        return row_offset(chunk, block_stride, block_size_log2, head_dim, position);
+    }
+    uniform int token = next->token_begin + (position - chunk->token_end);
+    if (token < next->token_end) {
+        return row_offset(next, block_stride, block_size_log2, head_dim, token);
+    }
+    return fallback;
+}
+
+// Prefetches the K and V rows (row_bytes each) of two tokens into the L2 cache.
+static inline void prefetch_rows(const void * uniform key_a, const void * uniform value_a,
+                                 const void * uniform key_b, const void * uniform value_b,
+                                 uniform int row_bytes) {
+    uniform const int8 * uniform rows[4] = {
+        (uniform const int8 * uniform)key_a, (uniform const int8 * uniform)value_a,
+        (uniform const int8 * uniform)key_b, (uniform const int8 * uniform)value_b};
+#pragma nounroll
+    for (uniform int byte = 0; byte < row_bytes; byte += CACHE_LINE_BYTES) {
+        for (uniform int row = 0; row < 4; row++) prefetch_l2(rows[row] + byte);
+    }
+}
+
+// Prefetches four rows far ahead into the L2 cache and four rows about to be read into the L1
+// cache (row_bytes each).
+static inline void prefetch_pair(const void * uniform far_0, const void * uniform far_1,
+                                 const void * uniform far_2, const void * uniform far_3,
+                                 const void * uniform near_0, const void * uniform near_1,
+                                 const void * uniform near_2, const void * uniform near_3,
+                                 uniform int row_bytes) {
+    uniform const int8 * uniform far[4] = {
+        (uniform const int8 * uniform)far_0, (uniform const int8 * uniform)far_1,
+        (uniform const int8 * uniform)far_2, (uniform const int8 * uniform)far_3};
+    uniform const int8 * uniform near[4] = {
+        (uniform const int8 * uniform)near_0, (uniform const int8 * uniform)near_1,
+        (uniform const int8 * uniform)near_2, (uniform const int8 * uniform)near_3};
+#pragma nounroll
+    for (uniform int byte = 0; byte < row_bytes; byte += CACHE_LINE_BYTES) {
+        for (uniform int row = 0; row < 4; row++) prefetch_l2(far[row] + byte);
+        for (uniform int row = 0; row < 4; row++) prefetch_l1(near[row] + byte);
+    }
+}
+
+#define ELEMENT float
+#define STORAGE float
+#define SUFFIX f32
+#include "attention_chunk.isph"
+#undef ELEMENT
+#undef STORAGE
+#undef SUFFIX
+
+#define ELEMENT float16
+#define STORAGE uint16
+#define SUFFIX f16
+#include "attention_chunk.isph"
+#undef ELEMENT
+#undef STORAGE
+#undef SUFFIX
+
+#define ELEMENT uint16
+#define STORAGE uint16
+#define SUFFIX bf16
+#include "attention_chunk.isph"
+#undef ELEMENT
+#undef STORAGE
+#undef SUFFIX

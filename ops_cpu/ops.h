@@ -1,0 +1,24 @@
+// The CPU kernels registered for torch.ops.neo and torch.ops.neo_ispc (schemas in
+// ops/schemas.py; shapes and dtypes there). Every kernel of an op must have the same C++
+// signature whatever its device: mutated (a!) arguments are `at::Tensor&`, others
+// `const at::Tensor&`, float is `double`, int is `int64_t` (as in ops_cuda/binding.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace neo_cpu {
+
+// out, q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, num_kv_heads,
+// block_size, head_dim]; all float32, float16 or bfloat16 alike. block_table: int32
+// [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs]. Writes out.
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale);
+
+// key, value: [num_tokens, num_kv_heads, head_dim]; caches as above (any dtype, same as key);
+// slot_mapping: int64 [num_tokens], block * block_size + offset, -1 skips the token.
+void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+}  // namespace neo_cpu
