@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import huge_page_zeros
 from .model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,13 @@ def _pin(tensor: torch.Tensor) -> None:
 
 
 def _allocate(pool: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool (unused slots then hold finite values); a clear error when it does not fit."""
+    """A zeroed pool (unused slots then hold finite values), the host one in huge pages; a
+    clear error when it does not fit."""
     try:
+        if device.type == "cpu" and pool == "host":
+            return huge_page_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
-    except (RuntimeError, torch.OutOfMemoryError) as error:
+    except (RuntimeError, torch.OutOfMemoryError, OSError) as error:
         size = torch.Size(shape).numel() * dtype.itemsize / GIB
         setting = "gpu_kv_cache_gib" if pool == "GPU" else "cpu_kv_cache_gib"
         raise ValueError(f"the {pool} KV pool of {size:.1f} GiB cannot be allocated on {device} "

@@ -172,14 +172,18 @@ class OffloadScheduler(Scheduler):
         if not host_requests:
             return batch1
         placement = _Placement()
-        # With no GPU work the GPU would idle anyway: every host request decodes.
+        # Oldest first. With no GPU work the GPU would idle anyway: every host request decodes.
+        # Otherwise the oldest host request is admitted regardless once it has waited
+        # ``max_host_wait`` iterations, so host requests always make progress, round robin.
+        ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         admit_all = self.full_offload or not batch0
-        for request in sorted(host_requests, key=lambda r: r.last_scheduled_iteration):
-            self._place(batch0, placement, request, forced=admit_all or self._starving(request))
+        force_oldest = self._starving(ordered[0])
+        for index, request in enumerate(ordered):
+            self._place(batch0, placement, request, forced=admit_all or (index == 0 and force_oldest))
         if not self.full_offload and not self._two_batches_pay(batch0, placement):
             placement = _Placement()
-            for request in filter(self._starving, host_requests):
-                placement.add(1, request)
+            if force_oldest:
+                placement.add(1, ordered[0])
         batch0.cpu_decodes.extend(placement.batch0)
         batch1.cpu_decodes.extend(placement.batch1)
         return batch1
