@@ -121,25 +121,26 @@ def main() -> None:
                         max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
                         perf_model=args.perf_model)
-    runs = []
+    report = {
+        "scenario": args.scenario,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": None,
+        "host_cpus": os.cpu_count(),
+        "arguments": vars(args),
+        "runs": [],
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    path = os.path.join(args.output_dir, f"offload-{args.scenario}.json")
+    runs = report["runs"]
     for threads in scenario.get("threads", (None,)):
         for policy in policies:
             config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads)
             print(f"{args.scenario}: {policy}" + (f", {threads} host threads" if threads else ""), flush=True)
             for result in run_policy(config, workloads, args.num_requests, args.duration):
                 runs.append({"policy": policy, "threads": threads, **result})
-    report = {
-        "scenario": args.scenario,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": runs[0]["device"] if runs else None,
-        "host_cpus": os.cpu_count(),
-        "arguments": vars(args),
-        "runs": runs,
-    }
-    os.makedirs(args.output_dir, exist_ok=True)
-    path = os.path.join(args.output_dir, f"offload-{args.scenario}.json")
-    with open(path, "w") as file:
-        json.dump(report, file, indent=1, default=str)
+                report["device"] = result["device"]
+                with open(path, "w") as file:  # after every run, so a cut-off sweep keeps its part
+                    json.dump(report, file, indent=1, default=str)
     print(f"\n{args.scenario} on {report['device']} ({report['date']})")
     print(f"{'workload':<34} {'policy':<13} {'thr':>4} {'steady tok/s':>13} {'vs gpu-only':>11} {'2-batch':>8} "
           f"{'pred err':>9} {'hidden':>7}")

@@ -4,7 +4,7 @@ Stages of layer ``i`` for sub-batch ``b`` (see ``models/llama.py``)::
 
     pre(b, i)       add + RMSNorm, QKV projection, rotary, store new K/V in the GPU cache
     attn_gpu(b, i)  prefill attention and decode attention over the GPU cache
-    attn_cpu(b, i)  decode attention over the host cache, on the host CPU (worker thread)
+    attn_cpu(b, i)  store new K/V in the host cache + decode attention over it, on the host CPU
     post(b, i)      O projection, add + RMSNorm, gate/up projection, SiLU-and-mul, down projection
 
 One sub-batch runs the stages in order, waiting for its host attention when it has any::
@@ -19,23 +19,36 @@ sub-batch while the other device works on the other::
     layer i:  GPU | post(1,i-1) pre(1,i) | post(0,i-1) pre(0,i) attn_gpu(0,i) |
               CPU |    attn_cpu(0,i-1)   |            attn_cpu(1,i)           |
 
-Host attention of a sub-batch: its queries and new K/V go to pinned host buffers on the copy
-stream, the worker waits for that copy's event, stores the K/V into the host cache and runs
-``paged_decode_attention`` there; the main thread waits for the worker only right before the
-stage that needs the result, and queues the copy back on the compute stream in front of it. The K/V a prefill makes for a request that will decode on the host
-is copied out the same way, layer by layer, as soon as that layer made it. Whole-request swaps
-between the pools run on the copy stream one layer ahead of the compute that needs them. No
-step synchronizes the whole device.
+Host attention of a sub-batch, per layer: its queries and new K/V (and the K/V a prefill made
+for a request that will decode on the host) are copied to pinned buffers on the copy stream
+once ``pre`` made them; the host stores the K/V into the host cache and runs
+``paged_decode_attention``; the result is copied back into the attention output, and the
+compute stream waits for that copy (an event) right before ``post``. Two hand-offs:
+
+- on CUDA with the C++ (ISPC) CPU kernels, the host work is a CUDA host function queued on the
+  copy stream between the two copies (``torch.ops.neo_pipeline.enqueue_host_decode``): the
+  streams order everything, no Python runs on the host side and the launching thread never
+  waits, so it can queue layers ahead of the GPU;
+- otherwise (no CUDA, or Python CPU kernels) a worker thread runs it (``CpuAttentionWorker``),
+  waiting for the copy's event; the launching thread waits for the worker right before the
+  stage that needs the result.
+
+Whole-request swaps between the pools are queued on the copy stream at the start, one event per
+layer, which the compute stream waits for before that layer. No step synchronizes the device.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from neo.ops import dispatched
 
 from .attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
 from .cpu_worker import CpuAttentionWorker
 from .kv_cache import KVCache
+
+FAILURE_MESSAGE_BYTES = 1024
 
 
 @dataclass
@@ -61,6 +74,21 @@ class _HostBuffers:
 
 
 @dataclass
+class _HostInputs:
+    """One layer's inputs of a sub-batch's host work (compute-device or host tensors)."""
+
+    query: torch.Tensor  # [num_cpu_decodes, H, D]
+    key: torch.Tensor  # [num_cpu_decodes, KVH, D]
+    value: torch.Tensor
+    offload_key: torch.Tensor | None  # [num_offloaded_prefill_tokens, KVH, D]
+    offload_value: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [self.offload_key, self.offload_value] if self.offload_key is not None else []
+        return [self.query, self.key, self.value] + extra
+
+
+@dataclass
 class _SubBatchState:
     """One sub-batch's activations while it moves through the layers."""
 
@@ -68,8 +96,7 @@ class _SubBatchState:
     hidden: torch.Tensor
     residual: torch.Tensor | None = None
     attention_output: torch.Tensor | None = None
-    pending: object = None  # Future of the host work of the current layer, or None
-    host_rows: slice = field(default_factory=lambda: slice(0, 0))
+    pending: object = None  # the current layer's host work: a CUDA event or a (Future, rows)
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -89,10 +116,6 @@ class PipelineExecutor:
         config = model.config
         self.scale = config.head_dim ** -0.5
         self.on_cuda = device.type == "cuda"
-        # GPU busy time per iteration (for the trace): events around each run of launches
-        # between two waits for the host, summed once the iteration is done.
-        self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
-        self._busy_events: list[torch.cuda.Event] = []
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.host_buffers = []
         if self.on_cuda and worker is not None:
@@ -101,16 +124,27 @@ class PipelineExecutor:
                                       config.num_kv_heads, config.head_dim, kv_cache.layout.dtype)
                 for _ in range(2)
             ]
+        self.stream_ordered_host_work = (self.on_cuda and worker is not None
+                                         and hasattr(torch.ops.neo_pipeline, "enqueue_host_decode")
+                                         and dispatched("paged_decode_attention", "cpu") == "ispc"
+                                         and dispatched("store_kv_cache", "cpu") == "ispc")
+        self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
+        # GPU busy time per iteration (for the trace): the iteration's span minus the time the
+        # compute stream spent waiting for the host, from events on the compute stream.
+        self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
+        self._span_events: list[torch.cuda.Event] = []
+        self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- public --------------------------------------------------------------------------------
 
     def run(self, batches: list[BatchInputs], swap_out: torch.Tensor, swap_in: torch.Tensor) -> torch.Tensor:
-        """Run all layers; returns float32 logits ``[sum of requests, vocab]`` in batch order.
+        """Queue all layers; returns float32 logits ``[sum of requests, vocab]`` in batch order.
+        Call ``raise_host_failure`` once the logits have been read.
 
         swap_out / swap_in: int64 host ``[n, 2]`` block pairs (gpu->cpu / cpu->gpu) to copy first.
         """
-        self._busy_events = []
-        self._mark_busy()
+        self.host_failure[0] = 0
+        self._span_events, self._wait_events = [self._timing_event()], []
         states = [_SubBatchState(inputs, self.model.embed(inputs.input_ids)) for inputs in batches]
         swap_events = self._start_swaps(swap_out, swap_in)
         num_layers = len(self.model.layers)
@@ -126,21 +160,22 @@ class PipelineExecutor:
                                              state.residual[state.inputs.logits_indices])
                        for state in states]
         logits = self.model.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
-        self._mark_busy()
+        self._span_events.append(self._timing_event())
         return logits
 
-    def _mark_busy(self) -> None:
-        if self.measure_gpu_busy:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._busy_events.append(event)
+    def raise_host_failure(self) -> None:
+        """Raise what failed in the last iteration's host functions (after the device synced)."""
+        if self.host_failure[0]:
+            text = bytes(self.host_failure[1:].tolist()).split(b"\0", 1)[0].decode(errors="replace")
+            raise RuntimeError(f"host decode attention failed: {text}")
 
     def gpu_busy_seconds(self) -> float | None:
-        """GPU time of the last ``run`` outside its waits for the host (after it completed)."""
-        if not self.measure_gpu_busy or len(self._busy_events) < 2:
+        """The last iteration's GPU time outside waits for the host (once it has completed)."""
+        if not self.measure_gpu_busy or None in self._span_events:
             return None
-        events = self._busy_events
-        return sum(start.elapsed_time(end) for start, end in zip(events[0::2], events[1::2])) / 1e3
+        start, end = self._span_events
+        waiting = sum(before.elapsed_time(after) for before, after in self._wait_events)
+        return (start.elapsed_time(end) - waiting) / 1e3
 
     # -- stage orders --------------------------------------------------------------------------
 
@@ -169,8 +204,15 @@ class PipelineExecutor:
         meta = state.metadata
         query, key, value, state.residual = layer.pre_attention(state.hidden, state.residual, meta,
                                                                 k_cache, v_cache)
-        state.pending = self._start_host_work(meta, layer_index, slot, query, key, value)
+        host_inputs = self._host_inputs(meta, query, key, value)
+        ready = None
+        if host_inputs is not None and self.on_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # the host inputs exist; the copy stream may start before attn_gpu
         state.attention_output = layer.attention(query, key, value, meta, k_cache, v_cache)
+        if host_inputs is not None:
+            state.pending = self._start_host_work(meta, layer_index, slot, host_inputs, ready,
+                                                  state.attention_output)
 
     def _finish_layer(self, state: _SubBatchState, layer_index: int) -> None:
         self._collect_host_work(state)
@@ -181,95 +223,114 @@ class PipelineExecutor:
 
     # -- host attention ------------------------------------------------------------------------
 
-    def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
-                         query, key, value):
-        """Hand the host decodes and the host-bound prefill K/V of this layer to the worker."""
-        num_decodes = meta.num_cpu_decodes
-        num_offload = meta.num_offloaded_prefill_tokens
-        if num_decodes == 0 and num_offload == 0:
+    def _host_inputs(self, meta: AttentionMetadata, query, key, value) -> _HostInputs | None:
+        """The rows the host needs for this layer (contiguous, made on the compute stream)."""
+        if meta.num_cpu_decodes == 0 and meta.num_offloaded_prefill_tokens == 0:
             return None
         if self.worker is None:
             raise RuntimeError("this engine has no host KV cache worker (policy gpu-only), but "
                                "the plan has host decodes or host-bound prefills")
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
-        decode = (query[rows], key[rows], value[rows])
-        offload = (key[meta.offload_token_indices], value[meta.offload_token_indices]) if num_offload else None
-        ready = None
-        if self.on_cuda:
-            decode, offload, ready = self._copy_to_host(slot, decode, offload)
-        host_k_cache, host_v_cache = self.kv_cache.cpu_layers[layer_index]
-        scale = self.scale
+        offload = meta.num_offloaded_prefill_tokens > 0
+        return _HostInputs(query[rows].contiguous(), key[rows].contiguous(), value[rows].contiguous(),
+                           key[meta.offload_token_indices] if offload else None,
+                           value[meta.offload_token_indices] if offload else None)
 
-        def task() -> torch.Tensor | None:
-            if ready is not None:
-                ready.synchronize()
-            if offload is not None:
-                torch.ops.neo.store_kv_cache(offload[0], offload[1], host_k_cache, host_v_cache,
-                                             meta.offload_slot_mapping_host)
-            if num_decodes == 0:
-                return None
-            decode_query, decode_key, decode_value = decode
-            torch.ops.neo.store_kv_cache(decode_key, decode_value, host_k_cache, host_v_cache,
-                                         meta.cpu_slot_mapping_host)
-            output = (self.host_buffers[slot].output[:num_decodes] if self.on_cuda
-                      else torch.empty_like(decode_query))
-            torch.ops.neo.paged_decode_attention(output, decode_query, host_k_cache, host_v_cache,
-                                                 meta.cpu_block_table_host, meta.cpu_seq_lens_host, scale)
-            return output
-
-        return self.worker.submit(task), rows
-
-    def _copy_to_host(self, slot: int, decode, offload):
-        """Copy this layer's host-bound rows into pinned buffers on the copy stream."""
+    def _to_pinned(self, slot: int, inputs: _HostInputs) -> _HostInputs:
+        """Queue copies of the inputs into this slot's pinned buffers on the copy stream."""
         buffers = self.host_buffers[slot]
-        compute_stream = torch.cuda.current_stream(self.device)
-        sources = [tensor.contiguous() for tensor in decode]
-        if offload is not None:
-            sources += list(offload)
-        self.copy_stream.wait_stream(compute_stream)
-        num_decodes = sources[0].shape[0]
-        destinations = [buffers.query[:num_decodes], buffers.key[:num_decodes], buffers.value[:num_decodes]]
-        if offload is not None:
-            num_offload = offload[0].shape[0]
-            destinations += [buffers.offload_key[:num_offload], buffers.offload_value[:num_offload]]
+        decodes = inputs.query.shape[0]
+        offloads = inputs.offload_key.shape[0] if inputs.offload_key is not None else 0
+        pinned = _HostInputs(buffers.query[:decodes], buffers.key[:decodes], buffers.value[:decodes],
+                             buffers.offload_key[:offloads] if offloads else None,
+                             buffers.offload_value[:offloads] if offloads else None)
+        for source, destination in zip(inputs.tensors(), pinned.tensors()):
+            destination.copy_(source, non_blocking=True)
+            source.record_stream(self.copy_stream)
+        return pinned
+
+    def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
+                         inputs: _HostInputs, ready, attention_output: torch.Tensor):
+        host_k_cache, host_v_cache = self.kv_cache.cpu_layers[layer_index]
+        rows = slice(meta.num_gpu_tokens, meta.num_tokens)
+        if not self.on_cuda:
+            output = torch.empty_like(inputs.query)
+            return self.worker.submit(lambda: self._host_task(inputs, output, meta, host_k_cache,
+                                                              host_v_cache)), rows
+        self.copy_stream.wait_event(ready)
         with torch.cuda.stream(self.copy_stream):
-            for source, destination in zip(sources, destinations):
-                destination.copy_(source, non_blocking=True)
-                source.record_stream(self.copy_stream)
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
-        decode_host = tuple(destinations[:3])
-        offload_host = tuple(destinations[3:]) if offload is not None else None
-        return decode_host, offload_host, ready
+            pinned = self._to_pinned(slot, inputs)
+            output = self.host_buffers[slot].output[:meta.num_cpu_decodes]
+            if not self.stream_ordered_host_work:
+                copied = torch.cuda.Event()
+                copied.record()
+
+                def task():
+                    copied.synchronize()
+                    return self._host_task(pinned, output, meta, host_k_cache, host_v_cache)
+
+                return self.worker.submit(task), rows
+            torch.ops.neo_pipeline.enqueue_host_decode(
+                output, pinned.query, pinned.key, pinned.value, host_k_cache, host_v_cache,
+                meta.cpu_slot_mapping_host, meta.cpu_block_table_host, meta.cpu_seq_lens_host,
+                self.scale, pinned.offload_key, pinned.offload_value,
+                meta.offload_slot_mapping_host if pinned.offload_key is not None else None,
+                self.host_failure, self.worker.num_threads)
+            attention_output[rows].copy_(output, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    def _host_task(self, inputs: _HostInputs, output, meta: AttentionMetadata, host_k_cache,
+                   host_v_cache) -> torch.Tensor:
+        """Store the new K/V in the host cache and attend there (the worker's job)."""
+        if inputs.offload_key is not None:
+            torch.ops.neo.store_kv_cache(inputs.offload_key, inputs.offload_value, host_k_cache,
+                                         host_v_cache, meta.offload_slot_mapping_host)
+        if meta.num_cpu_decodes:
+            torch.ops.neo.store_kv_cache(inputs.key, inputs.value, host_k_cache, host_v_cache,
+                                         meta.cpu_slot_mapping_host)
+            torch.ops.neo.paged_decode_attention(output, inputs.query, host_k_cache, host_v_cache,
+                                                 meta.cpu_block_table_host, meta.cpu_seq_lens_host,
+                                                 self.scale)
+        return output
 
     def _collect_host_work(self, state: _SubBatchState) -> None:
-        """Wait for the sub-batch's host work and put its attention rows in place."""
-        if state.pending is None:
+        """Make the sub-batch's host attention rows available to the next stage."""
+        pending, state.pending = state.pending, None
+        if pending is None:
             return
-        future, rows = state.pending
-        state.pending = None
-        if not future.done():
-            self._mark_busy()
-            output = future.result()
-            self._mark_busy()
+        before = self._timing_event()
+        if isinstance(pending, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(pending)
         else:
+            future, rows = pending
             output = future.result()
-        if output is None:
-            return
-        # On the compute stream: the next stage needs these rows, and the worker reuses the
-        # pinned buffer only after an event recorded behind this copy.
-        state.attention_output[rows].copy_(output, non_blocking=self.on_cuda)
+            if state.metadata.num_cpu_decodes:
+                # On the compute stream: the next stage needs these rows, and the pinned buffer
+                # is rewritten only after an event recorded behind this copy.
+                state.attention_output[rows].copy_(output, non_blocking=self.on_cuda)
+        if before is not None:
+            self._wait_events.append((before, self._timing_event()))
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        if not self.measure_gpu_busy:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _drain(self, states: list[_SubBatchState]) -> None:
-        """After an error: wait for outstanding host tasks so none touches freed buffers."""
+        """After an error: wait for outstanding worker tasks so none touches freed buffers."""
         for state in states:
-            if state.pending is not None:
-                future, _ = state.pending
-                state.pending = None
+            pending, state.pending = state.pending, None
+            if isinstance(pending, tuple):
                 try:
-                    future.result()
+                    pending[0].result()
                 except BaseException:
                     pass
+        if self.on_cuda:
+            self.copy_stream.synchronize()
 
     # -- whole-request swaps -------------------------------------------------------------------
 

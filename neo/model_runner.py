@@ -46,8 +46,9 @@ class ModelRunner:
         else:
             logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
         tokens = self.sampler(logits, [r.sampling_params for r in requests],
-                              [r.generator for r in requests])
-        return tokens.tolist()
+                              [r.generator for r in requests]).tolist()  # waits for the device
+        self.executor.raise_host_failure()
+        return tokens
 
     def gpu_busy_seconds(self) -> float | None:
         """GPU busy time of the last iteration, when it ran through the executor and measured."""

@@ -11,6 +11,7 @@ import torch
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.request import KVLocation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available (torch.cuda.is_available() is False)")
@@ -108,3 +109,26 @@ def test_policies_agree_on_logits_in_bf16():
             expected_row = reference[key]
             error = (row - expected_row).abs().max() / expected_row.abs().max()
             assert error < 3e-2, f"{policy}: logits of prompt {key[0]} token {key[1]} differ by {error:.3g}"
+
+
+def test_host_failure_reaches_the_caller_and_frees_blocks():
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="float32", policy="full-offload",
+                                    gpu_kv_cache_gib=gib_for_blocks(4), cpu_kv_cache_gib=gib_for_blocks(64),
+                                    perf_model="zero", use_cuda_graphs=False))
+    try:
+        engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
+        engine.step()  # prefill, its KV copied to the host pool
+        # Corrupt one layer's host cache view: the host kernel rejects it mid-iteration.
+        k_cache, v_cache = engine.kv_cache.cpu_layers[2]
+        engine.kv_cache.cpu_layers[2] = (k_cache.to(torch.float16), v_cache)
+        with pytest.raises((RuntimeError, ValueError), match="dtype"):
+            engine.step()
+        engine.kv_cache.cpu_layers[2] = (k_cache, v_cache)
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks
+        survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert survivor.num_output_tokens == 5
+    finally:
+        engine.close()
