@@ -15,13 +15,16 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
        batch 1: host decodes
 
    Per layer the pipeline overlaps GPU work of one sub-batch with host attention of the other
-   (see ``executor.py``), so with per-layer stage times from the ``PerfModel`` an iteration
-   takes ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))`` plus the pipeline overhead.
-   The ``neo`` policy admits a host decode only while the host attention stays hidden
-   (``cpu(1) <= lin(0) + gpu(0)`` and ``cpu(0) <= lin(1)``), then compares this two-sub-batch
-   plan with the GPU-only plan (batch 0 without host decodes) by estimated tokens per second
-   and keeps the better. A host request left out ``max_host_wait`` iterations in a row is
-   admitted regardless, so host requests never starve.
+   (see ``executor.py``), so with stage times from the ``PerfModel`` an iteration takes
+   ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))`` plus the pipeline's own overhead.
+   Host requests are taken oldest first (round robin); each goes to the sub-batch where the
+   estimated time grows least, and the ``neo`` policy keeps the number of them that gives the
+   highest estimated tokens per second, zero meaning the GPU-only plan (batch 0 alone). With
+   a negligible pipeline overhead that is where host attention just stays hidden
+   (``cpu(1) <= lin(0) + gpu(0)`` and ``cpu(0) <= lin(1)``); a large fixed cost per pipelined
+   iteration makes larger host batches pay. If no host request has decoded for
+   ``max_host_wait`` iterations, the next iteration decodes at least the oldest, so host
+   requests always progress.
    ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
    between the sub-batches to balance them.
 """
@@ -79,6 +82,7 @@ class OffloadScheduler(Scheduler):
         self.max_host_wait = max_host_wait
         self.full_offload = config.policy == "full-offload"
         self.iteration = 0
+        self.iterations_without_host_decode = 0
 
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
@@ -168,43 +172,42 @@ class OffloadScheduler(Scheduler):
     # -- 4. host decodes -----------------------------------------------------------------------
 
     def _place_host_decodes(self, batch0: SubBatch, host_requests: list[Request]) -> SubBatch:
+        """Choose how many host requests decode (oldest first, round robin) and in which
+        sub-batch each goes, by estimated tokens per second."""
         batch1 = SubBatch()
         if not host_requests:
+            self.iterations_without_host_decode = 0
             return batch1
-        placement = _Placement()
-        # Oldest first. With no GPU work the GPU would idle anyway: every host request decodes.
-        # Otherwise the oldest host request is admitted regardless once it has waited
-        # ``max_host_wait`` iterations, so host requests always make progress, round robin.
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
-        admit_all = self.full_offload or not batch0
-        force_oldest = self._starving(ordered[0])
-        for index, request in enumerate(ordered):
-            self._place(batch0, placement, request, forced=admit_all or (index == 0 and force_oldest))
-        if not self.full_offload and not self._two_batches_pay(batch0, placement):
-            placement = _Placement()
-            if force_oldest:
-                placement.add(1, ordered[0])
-        batch0.cpu_decodes.extend(placement.batch0)
-        batch1.cpu_decodes.extend(placement.batch1)
+        placement = _Placement()
+        epsilon = 1e-9
+        base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
+        best_count = 0
+        best_rate = base_tokens / (self._sequential_time(batch0) + epsilon) if base_tokens else -1.0
+        must_decode = self.iterations_without_host_decode >= self.max_host_wait
+        for count, request in enumerate(ordered, start=1):
+            self._place(batch0, placement, request)
+            rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + epsilon)
+            if rate > best_rate or (must_decode and best_count == 0):
+                best_count, best_rate = count, rate
+        if self.full_offload:
+            best_count = len(ordered)
+        chosen = {id(request) for request in ordered[:best_count]}
+        batch0.cpu_decodes.extend(r for r in placement.batch0 if id(r) in chosen)
+        batch1.cpu_decodes.extend(r for r in placement.batch1 if id(r) in chosen)
+        self.iterations_without_host_decode = 0 if best_count else self.iterations_without_host_decode + 1
         return batch1
 
-    def _starving(self, request: Request) -> bool:
-        return self.iteration - request.last_scheduled_iteration > self.max_host_wait
-
-    def _place(self, batch0: SubBatch, placement: _Placement, request: Request, forced: bool) -> None:
-        """Put one host decode in the sub-batch where the estimated iteration time grows least,
-        among those where host attention stays hidden (any, when forced)."""
+    def _place(self, batch0: SubBatch, placement: _Placement, request: Request) -> None:
+        """Put one more host decode in the sub-batch where the estimated iteration time grows
+        least (ties, e.g. with a zero perf model, keep about a third of them in batch 0)."""
         best = None
         for side in (1, 0):
             sizes = placement.sizes(add_to=side, tokens=request.num_tokens)
-            if not forced and not self._host_attention_hidden(batch0, *sizes):
-                continue
-            # Ties (e.g. a zero perf model) keep about a third of the host decodes in batch 0.
             balance = 0 if (side == 1) == (2 * len(placement.batch0) >= len(placement.batch1)) else 1
             candidate = (self._two_batch_time(batch0, *sizes), balance, side)
             best = candidate if best is None or candidate < best else best
-        if best is not None:
-            placement.add(best[2], request)
+        placement.add(best[2], request)
 
     # -- estimates (whole-model seconds) -------------------------------------------------------
 
@@ -215,13 +218,6 @@ class OffloadScheduler(Scheduler):
         gpu_attention0 = (model.gpu_attention(sum(r.num_tokens for r in batch0.gpu_decodes))
                           + model.prefill_attention([r.num_tokens for r in batch0.prefills]))
         return linear0, gpu_attention0, model.linear(requests1)
-
-    def _host_attention_hidden(self, batch0: SubBatch, requests0: int, context0: int,
-                               requests1: int, context1: int) -> bool:
-        linear0, gpu_attention0, linear1 = self._gpu_times(batch0, requests0, requests1)
-        model = self.perf_model
-        return (model.cpu_attention(requests1, context1) <= linear0 + gpu_attention0
-                and model.cpu_attention(requests0, context0) <= linear1)
 
     def _two_batch_time(self, batch0: SubBatch, requests0: int, context0: int,
                         requests1: int, context1: int) -> float:
@@ -236,18 +232,6 @@ class OffloadScheduler(Scheduler):
         linear, gpu_attention, _ = self._gpu_times(batch, len(batch.cpu_decodes), 0)
         host = self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
         return linear + gpu_attention + host + self.perf_model.iteration_overhead
-
-    def _two_batches_pay(self, batch0: SubBatch, placement: _Placement) -> bool:
-        extra = len(placement.requests)
-        if extra == 0:
-            return False
-        base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
-        if base_tokens == 0:
-            return True
-        epsilon = 1e-9
-        two = (base_tokens + extra) / (self._two_batch_time(batch0, *placement.sizes()) + epsilon)
-        one = base_tokens / (self._sequential_time(batch0) + epsilon)
-        return two >= one
 
     def predicted_time(self, plan: SchedulerOutput) -> float:
         """Estimated seconds of a plan."""

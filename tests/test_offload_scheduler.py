@@ -11,6 +11,7 @@ from neo.offload_scheduler import OffloadScheduler
 from neo.perf_model import PerfModel, PerfTable
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.scheduler_output import SubBatch
 
 from test_block_manager import check_pools
 
@@ -91,35 +92,30 @@ def test_slow_host_falls_back_to_gpu_only_but_never_starves():
     scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=400,
                                perf_model=synthetic_model(1e-6, 1e-8, 1e-2))
     requests = requests_of(16, prompt_len=40, max_tokens=30)
-    last_token = {}
-    host_gaps = []  # (iterations since the request's previous token, plan had GPU work)
-    starving_iterations_without_host_decode = []
+    host_decodes_beside_gpu_work = []
+    iterations_without_host_decode = [0]
 
     def on_plan(plan):
         gpu_work = any(batch.prefills or batch.gpu_decodes for batch in plan.sub_batches)
         decoded_on_host = [r for batch in plan.sub_batches for r in batch.cpu_decodes]
-        host_waiting = [r for r in scheduler.running if r.location is CPU and r not in decoded_on_host
-                        and r.is_prefilled]
-        if any(scheduler.iteration - r.last_scheduled_iteration > scheduler.max_host_wait + 1
-               for r in host_waiting) and not decoded_on_host:
-            starving_iterations_without_host_decode.append(scheduler.iteration)
-        for batch in plan.sub_batches:
-            for request in batch.requests:
-                gap = scheduler.iteration - last_token.get(request.request_id, scheduler.iteration)
-                if request in batch.cpu_decodes:
-                    host_gaps.append((gap, gpu_work))
-                last_token[request.request_id] = scheduler.iteration
+        host_running = [r for r in scheduler.running if r.location is CPU and r.is_prefilled]
+        if decoded_on_host or not host_running:
+            iterations_without_host_decode[0] = 0
+        else:
+            iterations_without_host_decode[0] += 1
+        assert iterations_without_host_decode[0] <= scheduler.max_host_wait, "host requests starved"
+        if gpu_work:
+            host_decodes_beside_gpu_work.append(len(decoded_on_host))
 
     drive(scheduler, requests, on_plan)
-    assert host_gaps, "host requests never decoded"
-    assert not starving_iterations_without_host_decode, "a host request starved"
-    assert max(gap for gap, _ in host_gaps) <= (scheduler.max_host_wait + 1) * len(requests)
-    beside_gpu_work = [gap for gap, gpu_work in host_gaps if gpu_work]
-    assert beside_gpu_work and min(beside_gpu_work) > 1, \
-        "host decodes ran beside GPU work every iteration although they do not pay"
+    assert host_decodes_beside_gpu_work
+    # Beside GPU work, host decodes run only when forced: one every max_host_wait + 1 iterations.
+    forced_share = sum(1 for n in host_decodes_beside_gpu_work if n) / len(host_decodes_beside_gpu_work)
+    assert forced_share <= 1 / scheduler.max_host_wait
+    assert max(host_decodes_beside_gpu_work) == 1
 
 
-def test_fast_host_keeps_attention_hidden():
+def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
     model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=2e-7)
     scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
     requests = requests_of(64, prompt_len=100, max_tokens=40)
@@ -129,19 +125,19 @@ def test_fast_host_keeps_attention_hidden():
         if len(plan.sub_batches) != 2:
             return
         batch0, batch1 = plan.sub_batches
-        if any(scheduler._starving(r) for r in batch0.cpu_decodes + batch1.cpu_decodes):
-            return
-        linear0 = model.linear(batch0.num_tokens)
-        gpu0 = model.gpu_attention(sum(r.num_tokens for r in batch0.gpu_decodes)) + \
-            model.prefill_attention([r.num_tokens for r in batch0.prefills])
-        host1 = model.cpu_attention(len(batch1.cpu_decodes), sum(r.num_tokens for r in batch1.cpu_decodes))
         host0 = model.cpu_attention(len(batch0.cpu_decodes), sum(r.num_tokens for r in batch0.cpu_decodes))
-        assert host1 <= linear0 + gpu0 + 1e-12
-        assert host0 <= model.linear(len(batch1.cpu_decodes)) + 1e-12
-        checked.append(plan.predicted_time)
+        host1 = model.cpu_attention(len(batch1.cpu_decodes), sum(r.num_tokens for r in batch1.cpu_decodes))
+        linear0 = model.linear(batch0.num_tokens)
+        gpu_only = SubBatch(batch0.prefills, batch0.gpu_decodes)
+        if gpu_only:  # the two-sub-batch plan beats batch 0 alone by estimated tokens/s
+            alone = scheduler._sequential_time(gpu_only)
+            assert len(plan.requests) / plan.predicted_time >= len(gpu_only.requests) / alone
+        checked.append((host0 + host1) / (linear0 + model.linear(len(batch1.cpu_decodes))))
 
     drive(scheduler, requests, on_plan)
-    assert len(checked) > 5 and all(t > 0 for t in checked)
+    assert len(checked) > 5
+    # With no pipeline overhead the best plans keep host attention close to the GPU time.
+    assert sorted(checked)[len(checked) // 2] < 1.5
 
 
 def test_full_offload_decodes_every_host_request_every_iteration():
