@@ -8,7 +8,7 @@ a CUDA graph replay —, sampling, bookkeeping). The roofline of an iteration is
 
 with both rates measured in the same run (a 2 GiB device-to-device copy, bytes read plus
 written; an 8192^3 bf16 matmul on random data). The GPU-busy fraction is the GPU time of the
-forward (replays of the batch's CUDA graph, timed with events) over the iteration's wall time;
+forward (replays of the batch's CUDA graph and the logits GEMM, timed with events) over the iteration's wall time;
 the rest is host work the GPU waits for (scheduling, inputs, sampling, bookkeeping).
 
     python benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024
@@ -76,7 +76,9 @@ def roofline(engine: LLMEngine, batch: int, contexts: list[int], bandwidth: floa
 
 
 def measure(engine: LLMEngine, batch: int, context: int, iterations: int) -> dict:
-    params = SamplingParams(max_tokens=iterations + 8, temperature=0, ignore_eos=True)
+    # Requests prefilled early decode while later ones prefill: leave room for those tokens too
+    # (the engine's max_model_len is twice the context), so that none finishes while timed.
+    params = SamplingParams(max_tokens=context, temperature=0, ignore_eos=True)
     for index in range(batch):
         engine.add_request([(index * 7 + position) % 1000 + 10 for position in range(context)], params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
@@ -87,16 +89,19 @@ def measure(engine: LLMEngine, batch: int, context: int, iterations: int) -> dic
         start = time.perf_counter()
         outputs = engine.step()  # ends with the sampled tokens on the host
         walls.append(time.perf_counter() - start)
-        assert len(outputs) == batch
+        if len(outputs) != batch:
+            raise RuntimeError(f"a decode iteration of batch {batch} returned {len(outputs)} tokens")
     contexts = [r.num_tokens for r in engine.scheduler.running]
     forward_seconds = None
     graphs = engine.runner.decode_graphs
     if graphs is not None:
-        graph = graphs.graphs[next(size for size in graphs.sizes if size >= batch)]
+        size = next(size for size in graphs.sizes if size >= batch)
+        graph, hidden = graphs.graphs[size], graphs.hidden[size]
         start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start_event.record()
         for _ in range(iterations):
             graph.replay()
+            engine.model.compute_logits(hidden[:batch])
         end_event.record()
         torch.cuda.synchronize(device)
         forward_seconds = start_event.elapsed_time(end_event) / 1e3 / iterations

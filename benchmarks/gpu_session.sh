@@ -36,11 +36,11 @@ python3 -c 'import torch, os; print("torch", torch.__version__, "cuda", torch.ve
 
 run() {  # run NAME COMMAND...: log it, keep going on failure, remember the status
   local name=$1; shift
-  echo "== [$name] $*"
+  echo "== [$name] $*" >&2  # stderr: a command's stdout may be redirected to a results file
   local start=$SECONDS
   "$@"
   local status=$?
-  echo "== [$name] exit $status after $((SECONDS - start)) s"
+  echo "== [$name] exit $status after $((SECONDS - start)) s" >&2
   [ $status -eq 0 ] || failures+=("$name")
 }
 failures=()

@@ -1,8 +1,11 @@
 """``DecodeGraphs``: CUDA graphs of the whole forward for decode-only batches.
 
 A decode-only iteration launches a few hundred small kernels whose launch time on the host can
-exceed their run time on the GPU. The forward (all layers, final norm, logits) is captured once
-per padded batch size and replayed with the batch's inputs copied into static buffers. Padding
+exceed their run time on the GPU. The forward (all layers and the final norm) is captured once
+per padded batch size and replayed with the batch's inputs copied into static buffers; the
+logits of the real rows are computed after the replay (one GEMM), so the graphs keep only small
+hidden-state outputs alive (a captured ``[batch, vocab]`` float32 output per size would hold
+several GiB at a few hundred sequences). Padding
 rows decode a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits
 are dropped. Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider
 than the captured width (longer contexts run eagerly).
@@ -42,7 +45,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros(largest, self.max_blocks, **int32)
         self.seq_lens = torch.ones(largest, **int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # [size, hidden] final-normed states
         self._kv_layers = kv_cache.gpu_layers
         self._capture_all()
 
@@ -67,8 +70,7 @@ class DecodeGraphs:
             meta = self._metadata(size)
 
             def forward():
-                hidden = self.model.forward(self.input_ids[:size], meta, self._kv_layers)
-                return self.model.compute_logits(hidden)
+                return self.model.forward(self.input_ids[:size], meta, self._kv_layers)
 
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -77,7 +79,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = forward()
+                self.hidden[size] = forward()
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -104,4 +106,4 @@ class DecodeGraphs:
         self.block_table[:count, :width].copy_(meta.gpu_block_table, non_blocking=True)
         self.block_table[count:size].zero_()
         self.graphs[size].replay()
-        return self.logits[size][:count]
+        return self.model.compute_logits(self.hidden[size][:count])

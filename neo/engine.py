@@ -206,13 +206,16 @@ class LLMEngine:
 
     def _record(self, plan: SchedulerOutput, elapsed: float) -> None:
         batches = [batch for batch in plan.sub_batches if batch]
+        host_busy = self.runner.host_busy_seconds()
+        if host_busy is None:
+            host_busy = self.worker.take_busy_seconds() if self.worker else 0.0
         self.trace.add(IterationRecord(
             iteration=self.metrics.iterations, num_sub_batches=len(batches),
             prefill_tokens=sum(b.num_prefill_tokens for b in batches),
             gpu_decodes=sum(len(b.gpu_decodes) for b in batches),
             cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
             predicted_seconds=plan.predicted_time, measured_seconds=elapsed,
-            cpu_busy_seconds=self.worker.take_busy_seconds() if self.worker else 0.0,
+            cpu_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds()))
 
     def _count(self, plan: SchedulerOutput) -> None:

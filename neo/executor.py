@@ -130,10 +130,12 @@ class PipelineExecutor:
                                          and dispatched("store_kv_cache", "cpu") == "ispc")
         self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         # GPU busy time per iteration (for the trace): the iteration's span minus the time the
-        # compute stream spent waiting for the host, from events on the compute stream.
+        # compute stream spent waiting for the host, from events on the compute stream; host
+        # busy time from events around the host functions on the copy stream.
         self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
         self._span_events: list[torch.cuda.Event] = []
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around host functions
 
     # -- public --------------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class PipelineExecutor:
         swap_out / swap_in: int64 host ``[n, 2]`` block pairs (gpu->cpu / cpu->gpu) to copy first.
         """
         self.host_failure[0] = 0
-        self._span_events, self._wait_events = [self._timing_event()], []
+        self._span_events, self._wait_events, self._host_events = [self._timing_event()], [], []
         states = [_SubBatchState(inputs, self.model.embed(inputs.input_ids)) for inputs in batches]
         swap_events = self._start_swaps(swap_out, swap_in)
         num_layers = len(self.model.layers)
@@ -176,6 +178,13 @@ class PipelineExecutor:
         start, end = self._span_events
         waiting = sum(before.elapsed_time(after) for before, after in self._wait_events)
         return (start.elapsed_time(end) - waiting) / 1e3
+
+    def host_busy_seconds(self) -> float | None:
+        """The last iteration's time in host functions on the copy stream (once it has
+        completed); None when the host work ran on the worker thread, which counts its own."""
+        if not self.measure_gpu_busy or not self.stream_ordered_host_work:
+            return None
+        return sum(before.elapsed_time(after) for before, after in self._host_events) / 1e3
 
     # -- stage orders --------------------------------------------------------------------------
 
@@ -270,12 +279,15 @@ class PipelineExecutor:
                     return self._host_task(pinned, output, meta, host_k_cache, host_v_cache)
 
                 return self.worker.submit(task), rows
+            host_started = self._timing_event()
             torch.ops.neo_pipeline.enqueue_host_decode(
                 output, pinned.query, pinned.key, pinned.value, host_k_cache, host_v_cache,
                 meta.cpu_slot_mapping_host, meta.cpu_block_table_host, meta.cpu_seq_lens_host,
                 self.scale, pinned.offload_key, pinned.offload_value,
                 meta.offload_slot_mapping_host if pinned.offload_key is not None else None,
                 self.host_failure, self.worker.num_threads)
+            if host_started is not None:
+                self._host_events.append((host_started, self._timing_event()))
             attention_output[rows].copy_(output, non_blocking=True)
             done = torch.cuda.Event()
             done.record()

@@ -30,6 +30,9 @@ def gpu_kv_cache_bytes(config: EngineConfig, model, device: torch.device, max_mo
                              f"{free / GIB:.1f} GiB are free after the weights and "
                              f"{activation_bytes / GIB:.1f} GiB are needed for activations")
         return wanted
+    logger.info("device memory: %.2f GiB free of %.2f GiB after the weights, activation peak %.2f GiB, "
+                "utilization %.2f: %.2f GiB for the KV pool", free / GIB, total / GIB, activation_bytes / GIB,
+                config.gpu_memory_utilization, max(usable, 0) / GIB)
     if usable <= 0:
         raise ValueError(f"no device memory is left for the KV cache: {free / GIB:.1f} GiB free, "
                          f"activations need {activation_bytes / GIB:.1f} GiB; lower "

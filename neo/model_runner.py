@@ -54,6 +54,11 @@ class ModelRunner:
         """GPU busy time of the last iteration, when it ran through the executor and measured."""
         return None if self._replayed_graph else self.executor.gpu_busy_seconds()
 
+    def host_busy_seconds(self) -> float | None:
+        """Host attention time of the last iteration when the executor measured it (host
+        functions on a CUDA stream); None when the worker thread counts it."""
+        return None if self._replayed_graph else self.executor.host_busy_seconds()
+
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = _block_pairs(plan.swap_out), _block_pairs(plan.swap_in)
         for layer_index in range(self.kv_cache.layout.num_layers):

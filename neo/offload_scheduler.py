@@ -7,7 +7,10 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    requests move to the host pool, when host blocks run out the newest host requests give
    their blocks back and wait to be prefilled again.
 2. Waiting requests are prefilled (on the GPU; a host-bound prompt's KV is copied out layer by
-   layer) within the token budget, into the GPU pool if it has room, else the host pool.
+   layer) within the token budget, into the GPU pool if it has room, else the host pool, but
+   under ``neo`` only while more host decodes would raise the estimated tokens per second (the
+   previous iteration's step 4 probes that): where offloading does not pay, requests wait for
+   GPU room as under gpu-only.
 3. While the GPU pool has room, host requests move back to it, oldest first.
 4. Host decodes are placed into the two sub-batches::
 
@@ -39,6 +42,7 @@ from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU
+EPSILON = 1e-9  # seconds: keeps rates finite under a zero perf model
 
 
 @dataclass
@@ -83,6 +87,9 @@ class OffloadScheduler(Scheduler):
         self.full_offload = config.policy == "full-offload"
         self.iteration = 0
         self.iterations_without_host_decode = 0
+        # Whether more host decodes would raise the estimated throughput (decided each iteration
+        # for the next one's prefills): new requests go to the host pool only then.
+        self.host_admission_open = self.full_offload
 
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
@@ -153,6 +160,8 @@ class OffloadScheduler(Scheduler):
         layer by layer as the prefill makes it)."""
         if not self.full_offload and super()._prefill_location(request) is GPU:
             return GPU
+        if not self.host_admission_open and self.running:  # alone, it always may
+            return None
         return CPU if self.block_manager.can_allocate(request.num_tokens + 1, CPU) else None
 
     # -- 3. host -> GPU ------------------------------------------------------------------------
@@ -175,21 +184,26 @@ class OffloadScheduler(Scheduler):
         """Choose how many host requests decode (oldest first, round robin) and in which
         sub-batch each goes, by estimated tokens per second."""
         batch1 = SubBatch()
-        if not host_requests:
-            self.iterations_without_host_decode = 0
-            return batch1
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         placement = _Placement()
-        epsilon = 1e-9
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
-        best_count = 0
-        best_rate = base_tokens / (self._sequential_time(batch0) + epsilon) if base_tokens else -1.0
+        best_count = unforced_count = 0
+        best_rate = unforced_rate = (base_tokens / (self._sequential_time(batch0) + EPSILON)
+                                     if base_tokens else -1.0)
         must_decode = self.iterations_without_host_decode >= self.max_host_wait
         for count, request in enumerate(ordered, start=1):
             self._place(batch0, placement, request)
-            rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + epsilon)
+            rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + EPSILON)
+            if rate > unforced_rate:
+                unforced_count, unforced_rate = count, rate
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
+        if not self.full_offload:
+            self.host_admission_open = (unforced_count == len(ordered) and self._more_host_decodes_pay(
+                batch0, placement, base_tokens + len(ordered), unforced_rate))
+        if not ordered:
+            self.iterations_without_host_decode = 0
+            return batch1
         if self.full_offload:
             best_count = len(ordered)
         chosen = {id(request) for request in ordered[:best_count]}
@@ -197,6 +211,25 @@ class OffloadScheduler(Scheduler):
         batch1.cpu_decodes.extend(r for r in placement.batch1 if id(r) in chosen)
         self.iterations_without_host_decode = 0 if best_count else self.iterations_without_host_decode + 1
         return batch1
+
+    def _more_host_decodes_pay(self, batch0: SubBatch, placement: _Placement, tokens: int,
+                               rate: float) -> bool:
+        """Would the oldest waiting request, decoding on the host next to every host request
+        (and more like it, up to the sequence cap), raise the estimated tokens per second above
+        ``rate``? Probed with 1, 2, 4, ... such requests added to batch 1."""
+        if not self.waiting:
+            return False
+        context = self.waiting[0].num_tokens + 1
+        room = self.config.max_num_seqs - len(self.running)
+        requests0, context0, requests1, context1 = placement.sizes()
+        extra = 1
+        while extra <= room:
+            time = self._two_batch_time(batch0, requests0, context0, requests1 + extra,
+                                        context1 + extra * context)
+            if (tokens + extra) / (time + EPSILON) > rate:
+                return True
+            extra *= 2
+        return False
 
     def _place(self, batch0: SubBatch, placement: _Placement, request: Request) -> None:
         """Put one more host decode in the sub-batch where the estimated iteration time grows

@@ -115,6 +115,33 @@ def test_slow_host_falls_back_to_gpu_only_but_never_starves():
     assert max(host_decodes_beside_gpu_work) == 1
 
 
+def test_slow_host_admits_no_new_request_to_the_host_pool():
+    # Where host decodes never pay, requests wait for GPU room as under gpu-only instead of
+    # being prefilled into the host pool (where they could only decode slowly). GPU requests
+    # evicted when GPU blocks run out still move to the host pool.
+    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=400,
+                               perf_model=synthetic_model(1e-6, 1e-8, 1e-2))
+    requests = requests_of(16, prompt_len=40, max_tokens=30)
+    host_prefills = []
+
+    def on_plan(plan):
+        if any(r.location is GPU for r in scheduler.running):
+            host_prefills.extend(r for batch in plan.sub_batches for r in batch.prefills if r.location is CPU)
+
+    drive(scheduler, requests, on_plan)
+    assert not host_prefills
+
+
+def test_fast_host_admits_overflow_to_the_host_pool():
+    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800,
+                               perf_model=synthetic_model(2e-5, 1e-8, 2e-7), max_num_seqs=128)
+    requests = requests_of(64, prompt_len=100, max_tokens=40)
+    host_prefills = []
+    drive(scheduler, requests,
+          lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is CPU))
+    assert len(host_prefills) > 16
+
+
 def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
     model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=2e-7)
     scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
