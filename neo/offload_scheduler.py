@@ -25,9 +25,10 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    highest estimated tokens per second, zero meaning the GPU-only plan (batch 0 alone). With
    a negligible pipeline overhead that is where host attention just stays hidden
    (``cpu(1) <= lin(0) + gpu(0)`` and ``cpu(0) <= lin(1)``); a large fixed cost per pipelined
-   iteration makes larger host batches pay. If no host request has decoded for
-   ``max_host_wait`` iterations, the next iteration decodes at least the oldest, so host
-   requests always progress.
+   iteration makes larger host batches pay. Host requests always progress: where host
+   decodes do not pay, they move back to the GPU pool before any new request is admitted (as
+   gpu-only swaps in), and one that could never fit there, or any host request while host
+   decodes pay, decodes at least once every ``max_host_wait`` iterations.
    ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
    between the sub-batches to balance them.
 """
@@ -96,10 +97,16 @@ class OffloadScheduler(Scheduler):
         output = SchedulerOutput()
         batch0 = SubBatch()
         host_requests = self._make_decode_slots(batch0, output)
-        self._admit_prefills(batch0, budget=self.config.max_num_batched_tokens
-                             - len(batch0.gpu_decodes) - len(host_requests))
-        if not self.full_offload:
+        budget = self.config.max_num_batched_tokens - len(batch0.gpu_decodes) - len(host_requests)
+        if self.full_offload:
+            self._admit_prefills(batch0, budget)
+        elif self.host_admission_open:
+            self._admit_prefills(batch0, budget)
             host_requests = self._move_to_gpu(host_requests, batch0, output)
+        else:  # host decodes do not pay: host requests come back first, as gpu-only swaps in
+            host_requests = self._move_to_gpu(host_requests, batch0, output)
+            if not host_requests:
+                self._admit_prefills(batch0, budget)
         batch1 = self._place_host_decodes(batch0, host_requests)
         output.sub_batches = [batch for batch in (batch0, batch1) if batch]
         output.predicted_time = self.predicted_time(output)
@@ -187,20 +194,18 @@ class OffloadScheduler(Scheduler):
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         placement = _Placement()
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
-        best_count = unforced_count = 0
-        best_rate = unforced_rate = (base_tokens / (self._sequential_time(batch0) + EPSILON)
-                                     if base_tokens else -1.0)
-        must_decode = self.iterations_without_host_decode >= self.max_host_wait
+        best_count = 0
+        best_rate = base_tokens / (self._sequential_time(batch0) + EPSILON) if base_tokens else -1.0
+        must_decode = (self.iterations_without_host_decode >= self.max_host_wait
+                       and (self.host_admission_open or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
             self._place(batch0, placement, request)
             rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + EPSILON)
-            if rate > unforced_rate:
-                unforced_count, unforced_rate = count, rate
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
         if not self.full_offload:
-            self.host_admission_open = (unforced_count == len(ordered) and self._more_host_decodes_pay(
-                batch0, placement, base_tokens + len(ordered), unforced_rate))
+            self.host_admission_open = self._more_host_decodes_pay(
+                [r for r in self.running if r.location is GPU], ordered)
         if not ordered:
             self.iterations_without_host_decode = 0
             return batch1
@@ -212,21 +217,29 @@ class OffloadScheduler(Scheduler):
         self.iterations_without_host_decode = 0 if best_count else self.iterations_without_host_decode + 1
         return batch1
 
-    def _more_host_decodes_pay(self, batch0: SubBatch, placement: _Placement, tokens: int,
-                               rate: float) -> bool:
-        """Would the oldest waiting request, decoding on the host next to every host request
-        (and more like it, up to the sequence cap), raise the estimated tokens per second above
-        ``rate``? Probed with 1, 2, 4, ... such requests added to batch 1."""
+    def _never_fits_gpu(self, request: Request) -> bool:
+        return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)
+
+    def _more_host_decodes_pay(self, gpu_decodes: list[Request], host_requests: list[Request]) -> bool:
+        """Would more requests like the oldest waiting one, decoding on the host, raise the
+        estimated tokens per second of a decode iteration (the GPU-resident requests decoding in
+        batch 0, the host decodes in batch 1)? Judged without this iteration's prefills: an admitted request
+        decodes for many iterations, most of them without prefills to hide host work under.
+        Probed with 1, 2, 4, ... such requests, up to the sequence cap."""
         if not self.waiting:
             return False
+        decodes = SubBatch(gpu_decodes=list(gpu_decodes))
+        rate = len(gpu_decodes) / (self._sequential_time(decodes) + EPSILON) if gpu_decodes else -1.0
+        host_context = sum(r.num_tokens for r in host_requests)
+        if host_requests:
+            rate = max(rate, (len(gpu_decodes) + len(host_requests))
+                       / (self._two_batch_time(decodes, 0, 0, len(host_requests), host_context) + EPSILON))
         context = self.waiting[0].num_tokens + 1
         room = self.config.max_num_seqs - len(self.running)
-        requests0, context0, requests1, context1 = placement.sizes()
         extra = 1
         while extra <= room:
-            time = self._two_batch_time(batch0, requests0, context0, requests1 + extra,
-                                        context1 + extra * context)
-            if (tokens + extra) / (time + EPSILON) > rate:
+            time = self._two_batch_time(decodes, 0, 0, len(host_requests) + extra, host_context + extra * context)
+            if (len(gpu_decodes) + len(host_requests) + extra) / (time + EPSILON) > rate:
                 return True
             extra *= 2
         return False
