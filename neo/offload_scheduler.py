@@ -88,8 +88,10 @@ class OffloadScheduler(Scheduler):
         self.full_offload = config.policy == "full-offload"
         self.iteration = 0
         self.iterations_without_host_decode = 0
-        # Whether more host decodes would raise the estimated throughput (decided each iteration
-        # for the next one's prefills): new requests go to the host pool only then.
+        # Decided each iteration for the next one's prefills: whether host decodes pay at all
+        # (else host requests return to the GPU before new admissions), and whether more of
+        # them would raise the estimated throughput (new requests go to the host pool only then).
+        self.host_decodes_pay = self.full_offload
         self.host_admission_open = self.full_offload
 
     def schedule(self) -> SchedulerOutput:
@@ -100,7 +102,7 @@ class OffloadScheduler(Scheduler):
         budget = self.config.max_num_batched_tokens - len(batch0.gpu_decodes) - len(host_requests)
         if self.full_offload:
             self._admit_prefills(batch0, budget)
-        elif self.host_admission_open:
+        elif self.host_decodes_pay:
             self._admit_prefills(batch0, budget)
             host_requests = self._move_to_gpu(host_requests, batch0, output)
         else:  # host decodes do not pay: host requests come back first, as gpu-only swaps in
@@ -204,7 +206,7 @@ class OffloadScheduler(Scheduler):
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
         if not self.full_offload:
-            self.host_admission_open = self._more_host_decodes_pay(
+            self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(
                 [r for r in self.running if r.location is GPU], ordered)
         if not ordered:
             self.iterations_without_host_decode = 0
@@ -220,29 +222,40 @@ class OffloadScheduler(Scheduler):
     def _never_fits_gpu(self, request: Request) -> bool:
         return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)
 
-    def _more_host_decodes_pay(self, gpu_decodes: list[Request], host_requests: list[Request]) -> bool:
-        """Would more requests like the oldest waiting one, decoding on the host, raise the
-        estimated tokens per second of a decode iteration (the GPU-resident requests decoding in
-        batch 0, the host decodes in batch 1)? Judged without this iteration's prefills: an admitted request
-        decodes for many iterations, most of them without prefills to hide host work under.
-        Probed with 1, 2, 4, ... such requests, up to the sequence cap."""
-        if not self.waiting:
-            return False
-        decodes = SubBatch(gpu_decodes=list(gpu_decodes))
-        rate = len(gpu_decodes) / (self._sequential_time(decodes) + EPSILON) if gpu_decodes else -1.0
+    def _host_decode_economics(self, gpu_requests: list[Request],
+                               host_requests: list[Request]) -> tuple[bool, bool]:
+        """(do host decodes pay, would more of them pay), judged on a steady decode iteration:
+        batch 0 the GPU pool full of requests of the running requests' mean length (no
+        prefills: an admitted request decodes for many iterations, most of them without
+        prefills to hide host work under), batch 1 the host requests. "Pay" means more
+        estimated tokens per second than batch 0 alone; "more" adds 1, 2, 4, ... requests like
+        the oldest waiting one, up to the sequence cap."""
+        model = self.perf_model
+        running = gpu_requests + host_requests
+        lengths = [r.num_tokens for r in running] or ([self.waiting[0].num_tokens] if self.waiting else [1])
+        mean_length = sum(lengths) / len(lengths)
+        pool_tokens = self.block_manager.num_total(GPU) * self.block_manager.block_size
+        gpu_count = max(len(gpu_requests), int(pool_tokens // mean_length))
+        gpu_context = max(sum(r.num_tokens for r in gpu_requests), int(gpu_count * mean_length))
+        gpu_time = model.linear(gpu_count) + model.gpu_attention(gpu_context) if gpu_count else 0.0
+        gpu_rate = gpu_count / (gpu_time + model.iteration_overhead + EPSILON) if gpu_count else -1.0
         host_context = sum(r.num_tokens for r in host_requests)
-        if host_requests:
-            rate = max(rate, (len(gpu_decodes) + len(host_requests))
-                       / (self._two_batch_time(decodes, 0, 0, len(host_requests), host_context) + EPSILON))
-        context = self.waiting[0].num_tokens + 1
-        room = self.config.max_num_seqs - len(self.running)
-        extra = 1
-        while extra <= room:
-            time = self._two_batch_time(decodes, 0, 0, len(host_requests) + extra, host_context + extra * context)
-            if (len(gpu_decodes) + len(host_requests) + extra) / (time + EPSILON) > rate:
-                return True
-            extra *= 2
-        return False
+
+        def rate(requests: int, context: int) -> float:
+            time = (max(model.linear(requests), 0.0) + max(gpu_time, model.cpu_attention(requests, context))
+                    + model.pipeline_overhead + model.iteration_overhead)
+            return (gpu_count + requests) / (time + EPSILON)
+
+        current = rate(len(host_requests), host_context) if host_requests else -1.0
+        more = []
+        if self.waiting:
+            length = self.waiting[0].num_tokens + 1
+            extra = 1
+            while extra <= self.config.max_num_seqs - len(self.running):
+                more.append(rate(len(host_requests) + extra, host_context + extra * length))
+                extra *= 2
+        best_more = max(more, default=-1.0)
+        return max(current, best_more) > gpu_rate, best_more > max(current, gpu_rate)
 
     def _place(self, batch0: SubBatch, placement: _Placement, request: Request) -> None:
         """Put one more host decode in the sub-batch where the estimated iteration time grows

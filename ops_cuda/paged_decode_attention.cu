@@ -515,7 +515,11 @@ void launch_paged_decode_attention(const PagedDecodeAttentionParams& params, Dat
 void launch_paged_decode_attention_merge(const PagedDecodeAttentionParams& params, DataType dtype,
                                          cudaStream_t stream) {
   const dim3 grid(params.num_seqs, params.num_heads);
-  const size_t shared_bytes = static_cast<size_t>(params.max_partitions) * sizeof(float);
+  // Rounded up and padded by 4 floats: ptxas may merge the loads of the partition loop's last
+  // iterations into one wide load that reaches past `partitions` (values unused, but the read
+  // must stay inside the allocation).
+  const size_t shared_floats = (static_cast<size_t>(params.max_partitions) + 3) / 4 * 4 + 4;
+  const size_t shared_bytes = shared_floats * sizeof(float);
   dispatch_data_type(dtype, [&](auto element) {
     using T = decltype(element);
     merge_kernel<T><<<grid, kMergeThreads, shared_bytes, stream>>>(params);
