@@ -27,8 +27,9 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    (``cpu(1) <= lin(0) + gpu(0)`` and ``cpu(0) <= lin(1)``); a large fixed cost per pipelined
    iteration makes larger host batches pay. Host requests always progress: where host
    decodes do not pay, they move back to the GPU pool before any new request is admitted (as
-   gpu-only swaps in), and one that could never fit there, or any host request while host
-   decodes pay, decodes at least once every ``max_host_wait`` iterations.
+   gpu-only swaps in); while host decodes pay (on a steady decode iteration, see
+   ``_host_decode_economics``), or for a request that could never fit the GPU pool, no host
+   request waits more than ``max_host_wait`` iterations for a decode.
    ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
    between the sub-batches to balance them.
 """
@@ -199,7 +200,7 @@ class OffloadScheduler(Scheduler):
         best_count = 0
         best_rate = base_tokens / (self._sequential_time(batch0) + EPSILON) if base_tokens else -1.0
         must_decode = (self.iterations_without_host_decode >= self.max_host_wait
-                       and (self.host_admission_open or any(map(self._never_fits_gpu, ordered))))
+                       and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
             self._place(batch0, placement, request)
             rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + EPSILON)
