@@ -19,7 +19,8 @@
 # the built extensions (prebuilt-*.so). Carrying a folder .carry/prebuilt with those .so files
 # skips the compile; .carry/ispc holds ISPC (install.sh + the .xz) for building the CPU kernel.
 # Perf-model tables the engine profiles are cached in $NEO_CACHE_DIR (default .carry/cache,
-# so carrying it reuses them) and copied to the results.
+# so carrying it reuses them) and copied to the results. Wheels in .carry/wheels (the server's
+# packages where the machine lacks them) are installed into /tmp/neo-site first.
 # Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,6 +32,10 @@ export NEO_CACHE_DIR=${NEO_CACHE_DIR:-$PWD/.carry/cache}
 seconds=${SECONDS_PER_RUN:-60}
 requests=${NUM_REQUESTS:-256}
 echo "== $(date -Is) $(hostname) stages: $*"
+if ls .carry/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/neo-site \
+    .carry/wheels/*.whl && export PYTHONPATH=/tmp/neo-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 python3 -c 'import torch, os; print("torch", torch.__version__, "cuda", torch.version.cuda, "cpus", os.cpu_count())'
 

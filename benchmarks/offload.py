@@ -11,8 +11,10 @@ Scenarios (dummy weights, bf16; see ``SCENARIOS``):
 Each run submits all requests at once and reports the steady throughput (``neo.bench``); runs
 can be capped in time (``--duration``) so that a sweep fits a session. From the per-iteration
 trace of the offloading policies it also reports the scheduler's accuracy (median
-|predicted - measured| / measured iteration time) and, for two-sub-batch iterations, how much of
-the host attention hid under GPU work (1 - GPU idle / host busy) and the GPU idle time.
+|predicted - measured| / measured iteration time), the median ratio of measured to predicted
+host attention time (decode-only iterations: a check of the profiled table), and, for
+two-sub-batch iterations, how much of the host attention hid under GPU work (1 - GPU idle /
+host busy) and the GPU idle time.
 
     python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
 """
@@ -58,11 +60,14 @@ def trace_statistics(records: list[dict]) -> dict:
         return max(0.0, record["measured_seconds"] - record["gpu_busy_seconds"])
 
     host_busy = sum(r["cpu_busy_seconds"] for r in two)
+    host_ratios = [r["cpu_busy_seconds"] / r["predicted_cpu_seconds"] for r in records
+                   if r["cpu_decodes"] and not r["prefill_tokens"] and r["predicted_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
     gpu_idle_two = sum(idle(r) for r in two)
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
         "median_relative_prediction_error": statistics.median(errors) if errors else None,
+        "median_host_measured_over_predicted": statistics.median(host_ratios) if host_ratios else None,
         "hidden_host_attention_share": (max(0.0, 1 - gpu_idle_two / host_busy) if host_busy else None),
         "gpu_idle_fraction_two_batch": gpu_idle_two / sum(r["measured_seconds"] for r in two) if two else None,
         "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
@@ -147,7 +152,7 @@ def main() -> None:
                 json.dump(report, file, indent=1, default=str)
     print(f"\n{args.scenario} on {report['device']} ({report['date']})")
     print(f"{'workload':<34} {'policy':<13} {'thr':>4} {'steady tok/s':>13} {'vs gpu-only':>11} {'2-batch':>8} "
-          f"{'pred err':>9} {'hidden':>7}")
+          f"{'pred err':>9} {'host m/p':>9} {'hidden':>7}")
     for run in runs:
         baseline = next((r for r in runs if r["policy"] == "gpu-only" and r["workload"] == run["workload"]), None)
         ratio = (run["steady_output_tokens_per_s"] / baseline["steady_output_tokens_per_s"]
@@ -157,9 +162,11 @@ def main() -> None:
         share = metrics["two_batch_iterations"] / metrics["iterations"] if metrics["iterations"] else 0.0
         error = trace["median_relative_prediction_error"]
         hidden = trace["hidden_host_attention_share"]
+        host_ratio = trace["median_host_measured_over_predicted"]
         print(f"{run['workload']:<34} {run['policy']:<13} {run['threads'] or '-':>4} "
               f"{run['steady_output_tokens_per_s']:13.1f} {ratio:11.2f} {share:8.2f} "
-              f"{'-' if error is None else f'{error:.3f}':>9} {'-' if hidden is None else f'{hidden:.2f}':>7}")
+              f"{'-' if error is None else f'{error:.3f}':>9} {'-' if host_ratio is None else f'{host_ratio:.2f}':>9} "
+              f"{'-' if hidden is None else f'{hidden:.2f}':>7}")
     print(f"written {path}")
 
 

@@ -214,7 +214,8 @@ class LLMEngine:
             prefill_tokens=sum(b.num_prefill_tokens for b in batches),
             gpu_decodes=sum(len(b.gpu_decodes) for b in batches),
             cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
-            predicted_seconds=plan.predicted_time, measured_seconds=elapsed,
+            predicted_seconds=plan.predicted_time, predicted_cpu_seconds=plan.predicted_host_time,
+            measured_seconds=elapsed,
             cpu_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds()))
 

@@ -35,6 +35,7 @@ class IterationRecord:
     gpu_decodes: int
     cpu_decodes: int
     predicted_seconds: float | None
+    predicted_cpu_seconds: float | None
     measured_seconds: float
     cpu_busy_seconds: float
     gpu_busy_seconds: float | None

@@ -113,6 +113,9 @@ class OffloadScheduler(Scheduler):
         batch1 = self._place_host_decodes(batch0, host_requests)
         output.sub_batches = [batch for batch in (batch0, batch1) if batch]
         output.predicted_time = self.predicted_time(output)
+        output.predicted_host_time = sum(
+            self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+            for batch in output.sub_batches)
         for request in output.requests:
             request.last_scheduled_iteration = self.iteration
         return output

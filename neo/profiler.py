@@ -1,11 +1,14 @@
 """``neo profile``: measure this machine's stage times into a ``PerfTable``.
 
-Measured with the engine's own model, KV pools, kernels and host worker:
+Measured with the engine's own model, KV pools, kernels and host worker, every layer on its own
+cache, with block tables laid out as the block manager hands out fresh blocks (each request's
+blocks consecutive), so each figure reads the memory an iteration of the engine reads:
 
 - linear: pre- and post-attention stages of every layer for a sub-batch of T decode tokens;
 - gpu_attention: paged decode attention over the GPU pool vs context tokens;
 - prefill_attention: prefill attention of one prompt vs its length;
-- cpu_attention: host K/V store + decode attention on the worker thread vs (requests, tokens);
+- cpu_attention: host K/V store + decode attention of every layer on the worker thread vs
+  (requests, tokens);
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
   what the tables above predict for them (launches, hand-offs, copies, input preparation).
 
@@ -33,6 +36,9 @@ from .scheduler_output import SchedulerOutput, SubBatch
 
 logger = logging.getLogger(__name__)
 
+# Part of the table key: a change to how stages are measured invalidates cached tables.
+PROFILE_METHOD = 2
+
 
 def cache_directory() -> str:
     root = os.environ.get("NEO_CACHE_DIR") or os.path.join(
@@ -50,6 +56,7 @@ def table_key(engine) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "block_size": engine.config.block_size,
         "cpu_threads": engine.worker.num_threads if engine.worker else 0,
+        "method": PROFILE_METHOD,
     }
 
 
@@ -202,10 +209,18 @@ class Profiler:
             attention_output = torch.zeros_like(query)
             hidden, residual = layer.post_attention(attention_output, residual, meta)
 
-    def _random_table(self, lengths: list[int], num_blocks: int) -> torch.Tensor:
+    def _block_table(self, lengths: list[int], num_blocks: int) -> torch.Tensor:
+        """Each request's blocks consecutive, requests in shuffled order from block 0: what the
+        block manager hands out from a fresh pool (wrapping around a pool too small)."""
         block_size = self.config.block_size
-        width = max(-(-length // block_size) for length in lengths)
-        rows = [[self.rng.randrange(num_blocks) for _ in range(width)] for _ in lengths]
+        counts = [-(-length // block_size) for length in lengths]
+        order = list(range(len(lengths)))
+        self.rng.shuffle(order)
+        starts, next_block = [0] * len(lengths), 0
+        for index in order:
+            starts[index], next_block = next_block, next_block + counts[index]
+        width = max(counts)
+        rows = [[(start + offset) % num_blocks for offset in range(width)] for start in starts]
         return torch.tensor(rows, dtype=torch.int32)
 
     def _split(self, context: int, num_sequences: int) -> list[int]:
@@ -217,7 +232,7 @@ class Profiler:
         num_sequences = max(1, min(self.config.max_num_seqs, context // 512))
         lengths = self._split(context, num_sequences)
         k_cache, v_cache = self.engine.kv_cache.gpu_layers[0]
-        table = self._random_table(lengths, k_cache.shape[0]).to(self.device)
+        table = self._block_table(lengths, k_cache.shape[0]).to(self.device)
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
         config = self.model_config
         query = torch.randn(num_sequences, config.num_heads, config.head_dim, dtype=self.engine.dtype, device=self.device)
@@ -249,11 +264,11 @@ class Profiler:
         return self._time(run)
 
     def _cpu_attention(self, num_requests: int, context: int) -> float:
-        """One layer's host store + attention on the worker, times the number of layers."""
+        """Host store + attention of every layer, one after another on the worker."""
         config = self.model_config
         lengths = self._split(context, num_requests)
-        k_cache, v_cache = self.engine.kv_cache.cpu_layers[0]
-        table = self._random_table(lengths, k_cache.shape[0])
+        layers = self.engine.kv_cache.cpu_layers
+        table = self._block_table(lengths, layers[0][0].shape[0])
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         dtype = self.engine.dtype
         query = torch.randn(num_requests, config.num_heads, config.head_dim, dtype=dtype)
@@ -263,20 +278,21 @@ class Profiler:
         slots = torch.tensor([int(table[i, (length - 1) // block_size]) * block_size + (length - 1) % block_size
                               for i, length in enumerate(lengths)], dtype=torch.int64)
 
-        def task():
-            torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
-            torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, seq_lens,
-                                                 config.head_dim ** -0.5)
+        def all_layers():
+            for k_cache, v_cache in layers:
+                torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
+                torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, seq_lens,
+                                                     config.head_dim ** -0.5)
 
         def timed():
             samples = []
             for _ in range(self.repeats + 1):
                 start = time.perf_counter()
-                task()
+                all_layers()
                 samples.append(time.perf_counter() - start)
             return statistics.median(samples[1:])
 
-        return self.engine.worker.submit(timed).result() * config.num_layers
+        return self.engine.worker.submit(timed).result()
 
     # -- overheads -----------------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
-    predicted_time: float | None = None
+    predicted_time: float | None = None  # seconds, from the PerfModel (offloading policies)
+    predicted_host_time: float | None = None  # of which host attention (both sub-batches)
 
     @property
     def is_empty(self) -> bool:

@@ -6,6 +6,8 @@ policy, for requests arriving together or one by one, and with GPU pools so smal
 requests are preempted (gpu-only) or decode on the host (neo, full-offload).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -205,3 +207,23 @@ def test_worker_failure_reaches_the_caller_and_frees_blocks(monkeypatch):
         assert survivor.num_output_tokens == 5
     finally:
         engine.close()
+
+
+def test_trace_records_every_iteration(tmp_path):
+    path = tmp_path / "trace.json"
+    llm = LLM("neo-tiny", policy="neo", gpu_kv_cache_gib=gib_for_blocks(10), cpu_kv_cache_gib=gib_for_blocks(256),
+              perf_model="zero", max_num_seqs=8, trace_path=str(path))
+    try:
+        llm.generate(PROMPTS, GREEDY)
+        metrics = llm.get_metrics()
+    finally:
+        llm.close()
+    records = json.loads(path.read_text())
+    assert len(records) == metrics["iterations"]
+    assert sum(r["cpu_decodes"] for r in records) == metrics["cpu_decode_tokens"] > 0
+    assert sum(r["num_sub_batches"] == 2 for r in records) == metrics["two_batch_iterations"]
+    assert sum(r["prefill_tokens"] for r in records) == metrics["prefill_tokens"]
+    for record in records:
+        assert record["measured_seconds"] > 0 and record["cpu_busy_seconds"] >= 0
+        assert record["predicted_seconds"] == 0.0 and record["predicted_cpu_seconds"] == 0.0  # zero model
+        assert record["cpu_busy_seconds"] > 0 or not record["cpu_decodes"]
