@@ -5,7 +5,9 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
 - ``linear``: GPU time of the pre/post-attention stages vs tokens in the sub-batch.
 - ``gpu_attention``: GPU decode-attention time vs context tokens of the GPU decodes.
 - ``prefill_attention``: GPU prefill-attention time vs prompt length (one prompt).
-- ``cpu_attention``: host decode-attention time vs (requests, context tokens), bilinear.
+- ``cpu_attention``: host decode-attention time vs (requests, context tokens): per request
+  count a row of (context tokens, seconds) points, interpolated within each row, then
+  across the rows.
 - ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
   (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration.
 
@@ -41,8 +43,8 @@ class PerfTable:
     prefill_lengths: list[float] = field(default_factory=list)
     prefill_seconds: list[float] = field(default_factory=list)
     cpu_attention_requests: list[float] = field(default_factory=list)
-    cpu_attention_tokens: list[float] = field(default_factory=list)
-    cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][tokens]
+    cpu_attention_tokens: list[list[float]] = field(default_factory=list)  # [requests][points]
+    cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][points]
     pipeline_overhead: float = 0.0
     iteration_overhead: float = 0.0
 
@@ -88,8 +90,8 @@ class PerfModel:
         table = self.table
         if num_requests == 0 or not table.cpu_attention_requests:
             return 0.0
-        per_row = [interpolate(table.cpu_attention_tokens, row, context_tokens)
-                   for row in table.cpu_attention_seconds]
+        per_row = [interpolate(tokens, seconds, context_tokens)
+                   for tokens, seconds in zip(table.cpu_attention_tokens, table.cpu_attention_seconds)]
         return interpolate(table.cpu_attention_requests, per_row, num_requests)
 
     @property

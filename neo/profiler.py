@@ -2,13 +2,14 @@
 
 Measured with the engine's own model, KV pools, kernels and host worker, every layer on its own
 cache, with block tables laid out as the block manager hands out fresh blocks (each request's
-blocks consecutive), so each figure reads the memory an iteration of the engine reads:
+blocks consecutive):
 
 - linear: pre- and post-attention stages of every layer for a sub-batch of T decode tokens;
 - gpu_attention: paged decode attention over the GPU pool vs context tokens;
 - prefill_attention: prefill attention of one prompt vs its length;
-- cpu_attention: host K/V store + decode attention of every layer on the worker thread vs
-  (requests, tokens);
+- cpu_attention: host K/V store + decode attention vs (requests, context tokens), timed inside
+  real iterations of host decodes through the engine's executor (the host functions' own
+  time), so the figure is what the engine's host work costs, hand-off included;
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
   what the tables above predict for them (launches, hand-offs, copies, input preparation).
 
@@ -37,7 +38,7 @@ from .scheduler_output import SchedulerOutput, SubBatch
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 2
+PROFILE_METHOD = 3
 
 
 def cache_directory() -> str:
@@ -148,13 +149,16 @@ class Profiler:
                 table.prefill_seconds.append(self._prefill_attention(length))
                 progress.update(1)
             table.cpu_attention_requests = list(request_points)
-            table.cpu_attention_tokens = list(cpu_context_points)
             for requests in request_points:
-                row = []
+                tokens, seconds = [], []
                 for context in cpu_context_points:
-                    row.append(self._cpu_attention(requests, max(context, requests)))
+                    lengths = self._host_lengths(requests, context)
+                    if sum(lengths) not in tokens:
+                        tokens.append(sum(lengths))
+                        seconds.append(self._cpu_attention(lengths))
                     progress.update(1)
-                table.cpu_attention_seconds.append(row)
+                table.cpu_attention_tokens.append(tokens)
+                table.cpu_attention_seconds.append(seconds)
             model = PerfModel(table)
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
@@ -263,43 +267,43 @@ class Profiler:
 
         return self._time(run)
 
-    def _cpu_attention(self, num_requests: int, context: int) -> float:
-        """Host store + attention of every layer, one after another on the worker."""
-        config = self.model_config
-        lengths = self._split(context, num_requests)
-        layers = self.engine.kv_cache.cpu_layers
-        table = self._block_table(lengths, layers[0][0].shape[0])
-        seq_lens = torch.tensor(lengths, dtype=torch.int32)
-        dtype = self.engine.dtype
-        query = torch.randn(num_requests, config.num_heads, config.head_dim, dtype=dtype)
-        key = torch.randn(num_requests, config.num_kv_heads, config.head_dim, dtype=dtype)
-        output = torch.empty_like(query)
+    def _host_lengths(self, num_requests: int, context: int) -> list[int]:
+        """``num_requests`` equal lengths adding up to about ``context`` tokens, each within the
+        model's length and all within the host pool (each request also needs its next slot)."""
         block_size = self.config.block_size
-        slots = torch.tensor([int(table[i, (length - 1) // block_size]) * block_size + (length - 1) % block_size
-                              for i, length in enumerate(lengths)], dtype=torch.int64)
+        per_request_blocks = self.engine.layout.num_cpu_blocks // num_requests
+        length = min(max(1, context // num_requests), self.engine.max_model_len - 1,
+                     per_request_blocks * block_size - 1)
+        return [length] * num_requests
 
-        def all_layers():
-            for k_cache, v_cache in layers:
-                torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
-                torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, seq_lens,
-                                                     config.head_dim ** -0.5)
-
-        def timed():
+    def _cpu_attention(self, lengths: list[int]) -> float:
+        """Host time of one iteration in which requests of ``lengths`` decode on the host."""
+        requests = self._requests(KVLocation.CPU, lengths)
+        plan = SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=requests)])
+        executor = self.engine.runner.executor
+        measuring, executor.measure_gpu_busy = executor.measure_gpu_busy, executor.on_cuda
+        try:
             samples = []
             for _ in range(self.repeats + 1):
-                start = time.perf_counter()
-                all_layers()
-                samples.append(time.perf_counter() - start)
+                if self.engine.worker is not None:
+                    self.engine.worker.take_busy_seconds()
+                self.engine.runner.execute(plan)
+                host = self.engine.runner.host_busy_seconds()
+                samples.append(self.engine.worker.take_busy_seconds() if host is None else host)
             return statistics.median(samples[1:])
-
-        return self.engine.worker.submit(timed).result()
+        finally:
+            executor.measure_gpu_busy = measuring
+            for request in requests:
+                self.engine.block_manager.free(request)
 
     # -- overheads -----------------------------------------------------------------------------
 
-    def _requests(self, location: KVLocation, count: int, length: int) -> list[Request]:
+    def _requests(self, location: KVLocation, lengths: list[int]) -> list[Request]:
+        """Requests of these lengths allocated in ``location``'s pool, each about to decode its
+        last prompt token."""
         manager = self.engine.block_manager
         requests = []
-        for index in range(count):
+        for index, length in enumerate(lengths):
             request = Request(f"profile-{location.value}-{index}", [1] * length, SamplingParams(max_tokens=1))
             manager.allocate(request, location)
             request.num_cached_tokens = length - 1
@@ -310,7 +314,7 @@ class Profiler:
         return self._time(lambda: self.engine.runner.execute(plan))
 
     def _iteration_overhead(self, model: PerfModel) -> float:
-        requests = self._requests(KVLocation.GPU, 1, 256)
+        requests = self._requests(KVLocation.GPU, [256])
         try:
             measured = self._measure_plan(SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)]))
         finally:
@@ -321,8 +325,8 @@ class Profiler:
     def _pipeline_overhead(self, model: PerfModel) -> float:
         if self.engine.layout.num_cpu_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
             return 0.0
-        gpu = self._requests(KVLocation.GPU, 1, 256)
-        host = self._requests(KVLocation.CPU, 2, 256)
+        gpu = self._requests(KVLocation.GPU, [256])
+        host = self._requests(KVLocation.CPU, [256, 256])
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:1]),
                                             SubBatch(cpu_decodes=host[1:])])
         try:

@@ -25,7 +25,7 @@ def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token
         linear_tokens=tokens, linear_seconds=[1e-3 + linear_per_token * t for t in tokens],
         gpu_attention_tokens=tokens, gpu_attention_seconds=[gpu_per_token * t for t in tokens],
         prefill_lengths=tokens, prefill_seconds=[gpu_per_token * t * t / 64 for t in tokens],
-        cpu_attention_requests=[1, 512], cpu_attention_tokens=tokens,
+        cpu_attention_requests=[1, 512], cpu_attention_tokens=[tokens, tokens],
         cpu_attention_seconds=[[cpu_per_token * t for t in tokens] for _ in range(2)],
     ))
 

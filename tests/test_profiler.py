@@ -21,7 +21,7 @@ def test_interpolate_is_piecewise_linear_and_extrapolates():
 
 
 def test_cpu_attention_is_bilinear():
-    table = PerfTable(cpu_attention_requests=[1, 5], cpu_attention_tokens=[100, 300],
+    table = PerfTable(cpu_attention_requests=[1, 5], cpu_attention_tokens=[[100, 300], [100, 300]],
                       cpu_attention_seconds=[[1.0, 3.0], [2.0, 4.0]])
     model = PerfModel(table)
     assert model.cpu_attention(3, 200) == pytest.approx(2.5)
