@@ -31,8 +31,9 @@ def plan_requests(workload: str, arrivals: str, rate: float | None, duration: fl
     """The requests of one load level.
 
     arrivals: "poisson" (exponential gaps at ``rate`` requests/s), "trace" (the trace's own
-    arrival times; ``rate`` unused) or "scaled" (the trace's gaps scaled so their mean rate is
-    ``rate``). Requests arrive within ``duration`` seconds, at most ``max_requests`` of them.
+    arrival times; ``rate`` unused) or "scaled" (the trace's first ``rate * duration`` requests,
+    their gaps scaled so that their mean rate is ``rate``: the trace's bursts and lulls, at that
+    load). Requests arrive within ``duration`` seconds, at most ``max_requests`` of them.
     Lengths come from ``neo.workloads`` (synthetic +-10%, or the trace's), clipped so prompt +
     output fits ``max_model_len``.
     """
@@ -40,6 +41,8 @@ def plan_requests(workload: str, arrivals: str, rate: float | None, duration: fl
         raise ValueError(f"unknown arrivals {arrivals!r}; choose one of {', '.join(ARRIVALS)}")
     if arrivals != "poisson" and not workload.startswith("azure-code"):
         raise ValueError(f"arrivals {arrivals!r} need a trace workload (azure-code), got {workload!r}")
+    if arrivals == "scaled":
+        max_requests = min(max_requests, max(2, round(rate * duration)))
     items = parse_workload(workload, max_requests, seed=seed)
     if arrivals == "poisson":
         rng = random.Random(f"{seed}/{rate}")
@@ -48,11 +51,11 @@ def plan_requests(workload: str, arrivals: str, rate: float | None, duration: fl
             offsets.append(offset)
             offset += rng.expovariate(rate)
     else:
-        trace = [item.arrival_offset for item in items]
+        trace = [item.arrival_offset - items[0].arrival_offset for item in items]
         scale = 1.0
         if arrivals == "scaled" and len(trace) > 1 and trace[-1] > 0:
             scale = (len(trace) - 1) / trace[-1] / rate
-        offsets = [offset * scale for offset in trace if offset * scale < duration]
+        offsets = [offset * scale for offset in trace if offset * scale <= duration]
     planned = []
     for index, (offset, item) in enumerate(zip(offsets, items)):
         prompt_len = max(1, min(item.prompt_len, max_model_len - 1))

@@ -18,8 +18,9 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
        batch 1: host decodes
 
    Per layer the pipeline overlaps GPU work of one sub-batch with host attention of the other
-   (see ``executor.py``), so with stage times from the ``PerfModel`` an iteration takes
-   ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))`` plus the pipeline's own overhead.
+   (see ``executor.py``), so with stage times from the ``PerfModel`` an iteration takes about
+   ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))``, the GPU side stretched by the
+   pipeline's own overhead (``PerfModel.two_batch_time``).
    Host requests are taken oldest first (round robin); each goes to the sub-batch where the
    estimated time grows least, and the ``neo`` policy keeps the number of them that gives the
    highest estimated tokens per second, zero meaning the GPU-only plan (batch 0 alone). With
@@ -246,8 +247,8 @@ class OffloadScheduler(Scheduler):
         host_context = sum(r.num_tokens for r in host_requests)
 
         def rate(requests: int, context: int) -> float:
-            time = (max(model.linear(requests), 0.0) + max(gpu_time, model.cpu_attention(requests, context))
-                    + model.pipeline_overhead + model.iteration_overhead)
+            time = model.two_batch_time(gpu_time, 0.0, model.linear(requests), 0.0,
+                                        model.cpu_attention(requests, context))
             return (gpu_count + requests) / (time + EPSILON)
 
         current = rate(len(host_requests), host_context) if host_requests else -1.0
@@ -286,9 +287,8 @@ class OffloadScheduler(Scheduler):
                         requests1: int, context1: int) -> float:
         linear0, gpu_attention0, linear1 = self._gpu_times(batch0, requests0, requests1)
         model = self.perf_model
-        return (max(linear1, model.cpu_attention(requests0, context0))
-                + max(linear0 + gpu_attention0, model.cpu_attention(requests1, context1))
-                + model.pipeline_overhead + model.iteration_overhead)
+        return model.two_batch_time(linear0, gpu_attention0, linear1, model.cpu_attention(requests0, context0),
+                                    model.cpu_attention(requests1, context1))
 
     def _sequential_time(self, batch: SubBatch) -> float:
         """One sub-batch: its host attention (if any) does not overlap GPU work."""

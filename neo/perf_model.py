@@ -11,6 +11,12 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
 - ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
   (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration.
 
+A two-sub-batch iteration (see ``executor.py``) overlaps per layer the GPU stages of one
+sub-batch with the host attention of the other, so ``two_batch_time`` is
+``max(lin(1) + o/2, cpu(0)) + max(lin(0) + gpu(0) + o/2, cpu(1))`` with ``o`` the pipeline
+overhead: the launching thread's extra work stretches the GPU side and hides under long host
+attention, as it does in the engine.
+
 ``PerfModel.zero()`` predicts zero for everything (for tests: the scheduler then admits all
 host decodes and prefers the plan with more tokens).
 """
@@ -93,6 +99,12 @@ class PerfModel:
         per_row = [interpolate(tokens, seconds, context_tokens)
                    for tokens, seconds in zip(table.cpu_attention_tokens, table.cpu_attention_seconds)]
         return interpolate(table.cpu_attention_requests, per_row, num_requests)
+
+    def two_batch_time(self, linear0: float, gpu0: float, linear1: float, cpu0: float, cpu1: float,
+                       pipeline_overhead: float | None = None) -> float:
+        """Seconds of a two-sub-batch iteration from its stage times (see the module docstring)."""
+        half = (self.pipeline_overhead if pipeline_overhead is None else pipeline_overhead) / 2
+        return max(linear1 + half, cpu0) + max(linear0 + gpu0 + half, cpu1) + self.iteration_overhead
 
     @property
     def pipeline_overhead(self) -> float:

@@ -38,7 +38,7 @@ from .scheduler_output import SchedulerOutput, SubBatch
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 3
+PROFILE_METHOD = 4
 
 
 def cache_directory() -> str:
@@ -334,7 +334,14 @@ class Profiler:
         finally:
             for request in gpu + host:
                 self.engine.block_manager.free(request)
-        predicted = (max(model.linear(1), model.cpu_attention(1, 256))
-                     + max(model.linear(2) + model.gpu_attention(256), model.cpu_attention(1, 256))
-                     + model.iteration_overhead)
-        return max(0.0, measured - predicted)
+        stages = (model.linear(2), model.gpu_attention(256), model.linear(1), model.cpu_attention(1, 256),
+                  model.cpu_attention(1, 256))
+        # The overhead that makes the model's two-sub-batch time equal the measured one (the
+        # time grows with the overhead; none if the stages alone already take that long).
+        low, high = 0.0, measured
+        if model.two_batch_time(*stages, pipeline_overhead=low) >= measured:
+            return 0.0
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (middle, high) if model.two_batch_time(*stages, pipeline_overhead=middle) < measured else (low, middle)
+        return low

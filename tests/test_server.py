@@ -760,6 +760,27 @@ def test_sustainable_rate_interpolates_the_crossing():
                                              "ratio_to_reference": pytest.approx(4 / (2 + 8 / 18))}
 
 
+@pytest.mark.parametrize("rate", [0.5, 2.0, 10.0])
+def test_scaled_trace_arrivals_reach_the_rate(rate):
+    """The Azure trace re-timed to a rate: rate x duration requests within the duration, in the
+    trace's order and relative timing (its lulls included)."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from online_client import plan_requests
+    finally:
+        sys.path.remove(BENCHMARKS)
+    from neo.workloads import parse_workload
+    duration = 40.0
+    planned = plan_requests("azure-code", "scaled", rate, duration, 1000, 0, 8192)
+    assert len(planned) == round(rate * duration)
+    offsets = [request.send_offset for request in planned]
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and offsets[-1] <= duration
+    assert (len(offsets) - 1) / offsets[-1] == pytest.approx(rate)
+    trace = [item.arrival_offset for item in parse_workload("azure-code", len(planned), seed=0)]
+    scale = offsets[-1] / (trace[-1] - trace[0])
+    assert offsets == pytest.approx([(t - trace[0]) * scale for t in trace])
+
+
 @pytest.mark.slow
 def test_load_generator_sweep_end_to_end(tmp_path):
     """One policy per command (--append merges them), as on a machine with a time limit per
