@@ -80,6 +80,15 @@ class _Placement:
         return self.batch0 + self.batch1
 
 
+@dataclass
+class _GpuWork:
+    """Batch 0's GPU work apart from its host decodes: tokens through the linear stages and
+    the seconds of its GPU (decode and prefill) attention."""
+
+    linear_tokens: int
+    attention_seconds: float
+
+
 class OffloadScheduler(Scheduler):
     def __init__(self, config: EngineConfig, block_manager: BlockManager, perf_model: PerfModel,
                  num_layers: int, max_host_wait: int = 4):
@@ -200,14 +209,15 @@ class OffloadScheduler(Scheduler):
         batch1 = SubBatch()
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         placement = _Placement()
+        work0 = self._gpu_work(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
         best_rate = base_tokens / (self._sequential_time(batch0) + EPSILON) if base_tokens else -1.0
         must_decode = (self.iterations_without_host_decode >= self.max_host_wait
                        and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
-            self._place(batch0, placement, request)
-            rate = (base_tokens + count) / (self._two_batch_time(batch0, *placement.sizes()) + EPSILON)
+            self._place(work0, placement, request)
+            rate = (base_tokens + count) / (self._two_batch_time(work0, *placement.sizes()) + EPSILON)
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
         if not self.full_offload:
@@ -262,39 +272,40 @@ class OffloadScheduler(Scheduler):
         best_more = max(more, default=-1.0)
         return max(current, best_more) > gpu_rate, best_more > max(current, gpu_rate)
 
-    def _place(self, batch0: SubBatch, placement: _Placement, request: Request) -> None:
+    def _place(self, work0: _GpuWork, placement: _Placement, request: Request) -> None:
         """Put one more host decode in the sub-batch where the estimated iteration time grows
         least (ties, e.g. with a zero perf model, keep about a third of them in batch 0)."""
         best = None
         for side in (1, 0):
             sizes = placement.sizes(add_to=side, tokens=request.num_tokens)
             balance = 0 if (side == 1) == (2 * len(placement.batch0) >= len(placement.batch1)) else 1
-            candidate = (self._two_batch_time(batch0, *sizes), balance, side)
+            candidate = (self._two_batch_time(work0, *sizes), balance, side)
             best = candidate if best is None or candidate < best else best
         placement.add(best[2], request)
 
     # -- estimates (whole-model seconds) -------------------------------------------------------
 
-    def _gpu_times(self, batch0: SubBatch, requests0: int, requests1: int) -> tuple[float, float, float]:
-        """(linear time of batch 0, GPU attention time of batch 0, linear time of batch 1)."""
+    def _gpu_work(self, batch: SubBatch) -> _GpuWork:
+        """The part of a sub-batch's GPU work that does not depend on its host decodes."""
         model = self.perf_model
-        linear0 = model.linear(batch0.num_prefill_tokens + len(batch0.gpu_decodes) + requests0)
-        gpu_attention0 = (model.gpu_attention(sum(r.num_tokens for r in batch0.gpu_decodes))
-                          + model.prefill_attention([r.num_tokens for r in batch0.prefills]))
-        return linear0, gpu_attention0, model.linear(requests1)
+        return _GpuWork(batch.num_prefill_tokens + len(batch.gpu_decodes),
+                        model.gpu_attention(sum(r.num_tokens for r in batch.gpu_decodes))
+                        + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
-    def _two_batch_time(self, batch0: SubBatch, requests0: int, context0: int,
+    def _two_batch_time(self, work0: _GpuWork, requests0: int, context0: int,
                         requests1: int, context1: int) -> float:
-        linear0, gpu_attention0, linear1 = self._gpu_times(batch0, requests0, requests1)
         model = self.perf_model
-        return model.two_batch_time(linear0, gpu_attention0, linear1, model.cpu_attention(requests0, context0),
+        return model.two_batch_time(model.linear(work0.linear_tokens + requests0), work0.attention_seconds,
+                                    model.linear(requests1), model.cpu_attention(requests0, context0),
                                     model.cpu_attention(requests1, context1))
 
     def _sequential_time(self, batch: SubBatch) -> float:
         """One sub-batch: its host attention (if any) does not overlap GPU work."""
-        linear, gpu_attention, _ = self._gpu_times(batch, len(batch.cpu_decodes), 0)
-        host = self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
-        return linear + gpu_attention + host + self.perf_model.iteration_overhead
+        model = self.perf_model
+        work = self._gpu_work(batch)
+        host = model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+        return (model.linear(work.linear_tokens + len(batch.cpu_decodes)) + work.attention_seconds + host
+                + model.iteration_overhead)
 
     def predicted_time(self, plan: SchedulerOutput) -> float:
         """Estimated seconds of a plan."""
@@ -302,6 +313,6 @@ class OffloadScheduler(Scheduler):
             batch0, batch1 = plan.sub_batches
             context0 = sum(r.num_tokens for r in batch0.cpu_decodes)
             context1 = sum(r.num_tokens for r in batch1.cpu_decodes)
-            return self._two_batch_time(batch0, len(batch0.cpu_decodes), context0,
+            return self._two_batch_time(self._gpu_work(batch0), len(batch0.cpu_decodes), context0,
                                         len(batch1.cpu_decodes), context1)
         return self._sequential_time(plan.sub_batches[0]) if plan.sub_batches else 0.0
