@@ -208,6 +208,15 @@ class OffloadScheduler(Scheduler):
         sub-batch each goes, by estimated tokens per second."""
         batch1 = SubBatch()
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
+        if not self.full_offload:
+            if ordered or self.waiting:
+                self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(
+                    [r for r in self.running if r.location is GPU], ordered)
+            else:  # nothing to decide until requests wait or live on the host: gpu-only rules
+                self.host_decodes_pay = self.host_admission_open = False
+        if not ordered:
+            self.iterations_without_host_decode = 0
+            return batch1
         placement = _Placement()
         work0 = self._gpu_work(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
@@ -220,12 +229,6 @@ class OffloadScheduler(Scheduler):
             rate = (base_tokens + count) / (self._two_batch_time(work0, *placement.sizes()) + EPSILON)
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
-        if not self.full_offload:
-            self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(
-                [r for r in self.running if r.location is GPU], ordered)
-        if not ordered:
-            self.iterations_without_host_decode = 0
-            return batch1
         if self.full_offload:
             best_count = len(ordered)
         chosen = {id(request) for request in ordered[:best_count]}
