@@ -234,7 +234,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for request in plan.finished:
-            logger.warning("request %s outgrew the KV pool at %d tokens and was ended",
+            logger.warning("request %s was ended at %d tokens: the KV pools had no room left for it",
                            request.request_id, request.num_tokens)
             request.finish_time = now
             self._requests.pop(request.request_id, None)

@@ -174,7 +174,7 @@ class OffloadScheduler(Scheduler):
             self.finish(request, "length")
             output.finished.append(request)
             return
-        self._recompute_later(request)
+        self._recompute_or_end(request, output)
 
     # -- 2. prefills ---------------------------------------------------------------------------
 

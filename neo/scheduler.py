@@ -1,5 +1,6 @@
 """``Scheduler``: decides each iteration's plan. It never touches tensors."""
 
+import logging
 from collections import deque
 
 from .block_manager import BlockManager
@@ -8,6 +9,7 @@ from .request import KVLocation, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -103,7 +105,21 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
         else:  # no room on the host either: drop the KV and prefill again later
+            self._recompute_or_end(request, output)
+
+    def _recompute_or_end(self, request: Request, output: SchedulerOutput) -> None:
+        """Preempt by recompute if the request (prompt + output so far) can be prefilled again
+        in one iteration; otherwise it would wait forever and block the queue, so it ends."""
+        if request.num_tokens <= self.config.max_num_batched_tokens:
             self._recompute_later(request)
+            return
+        logger.warning("request %s ends at %d tokens: no KV pool has room for it and it is longer than "
+                       "max_num_batched_tokens=%d, so it cannot be prefilled again", request.request_id,
+                       request.num_tokens, self.config.max_num_batched_tokens)
+        if request in self.running:
+            self.running.remove(request)
+        self.finish(request, "length")
+        output.finished.append(request)
 
     def _recompute_later(self, request: Request) -> None:
         """Preempt by dropping the request's KV; it waits at the head of the queue to be

@@ -159,8 +159,46 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
     for request in requests:
         assert request.is_finished
         if request.finish_reason == "length" and request.num_output_tokens < request.sampling_params.max_tokens:
-            # ended early only because it alone outgrew the GPU pool
-            assert manager.blocks_for(request.num_tokens + 1) > num_gpu_blocks
+            # ended early only because it alone outgrew the GPU pool, or because it was preempted
+            # with no host room while too long to be prefilled again
+            assert (manager.blocks_for(request.num_tokens + 1) > num_gpu_blocks
+                    or request.num_tokens > config.max_num_batched_tokens)
+
+
+def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_on():
+    """No host pool: preemption drops KV for recompute, which needs prompt + output in one
+    iteration's token budget. A victim past that budget ends instead of blocking the queue."""
+    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=24)
+    manager = BlockManager(num_gpu_blocks=10, num_cpu_blocks=0, block_size=8)
+    scheduler = Scheduler(config, manager)
+    first, second = make_request(0, prompt_len=8, max_tokens=60), make_request(1, prompt_len=20, max_tokens=60)
+    later = make_request(2, prompt_len=20, max_tokens=10)
+    for request in (first, second):
+        scheduler.add(request)
+    ended = []
+    for step in range(400):
+        if step == 5:
+            scheduler.add(later)
+        if not scheduler.num_unfinished:
+            break
+        plan = scheduler.schedule()
+        assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
+        ended += plan.finished
+        for request in plan.requests:
+            request.num_cached_tokens = request.num_tokens
+            request.append_token(3)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                scheduler.finish(request, "length")
+        scheduler.remove_finished()
+    assert not scheduler.num_unfinished
+    # The pool fills as they grow; preemption victims (the newest) past the budget end, the
+    # oldest request finishes, and nothing waits forever.
+    assert second in ended and first not in ended and first.num_output_tokens == 60
+    for request in ended:
+        assert request.num_tokens > config.max_num_batched_tokens
+        assert request.num_output_tokens < request.sampling_params.max_tokens
+    assert later in ended or later.num_output_tokens == 10
+    assert manager.num_free(GPU) == 10
 
 
 def test_a_prompt_that_needs_the_whole_pool_is_admitted_when_alone():
