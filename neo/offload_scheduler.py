@@ -122,10 +122,7 @@ class OffloadScheduler(Scheduler):
                 self._admit_prefills(batch0, budget)
         batch1 = self._place_host_decodes(batch0, host_requests)
         output.sub_batches = [batch for batch in (batch0, batch1) if batch]
-        output.predicted_time = self.predicted_time(output)
-        output.predicted_host_time = sum(
-            self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
-            for batch in output.sub_batches)
+        output.predicted_time, output.predicted_host_time = self._estimate(output)
         for request in output.requests:
             request.last_scheduled_iteration = self.iteration
         return output
@@ -221,7 +218,7 @@ class OffloadScheduler(Scheduler):
         work0 = self._gpu_work(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
-        best_rate = base_tokens / (self._sequential_time(batch0) + EPSILON) if base_tokens else -1.0
+        best_rate = base_tokens / (self._sequential_time(batch0, work0) + EPSILON) if base_tokens else -1.0
         must_decode = (self.iterations_without_host_decode >= self.max_host_wait
                        and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
@@ -302,20 +299,28 @@ class OffloadScheduler(Scheduler):
                                     model.linear(requests1), model.cpu_attention(requests0, context0),
                                     model.cpu_attention(requests1, context1))
 
-    def _sequential_time(self, batch: SubBatch) -> float:
-        """One sub-batch: its host attention (if any) does not overlap GPU work."""
+    def _host_time(self, batch: SubBatch) -> float:
+        return self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+
+    def _sequential_time(self, batch: SubBatch, work: _GpuWork | None = None, host: float | None = None) -> float:
+        """One sub-batch: its host attention (if any) does not overlap GPU work. ``work`` and
+        ``host`` (its host attention seconds) when the caller has them already."""
         model = self.perf_model
-        work = self._gpu_work(batch)
-        host = model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+        work = self._gpu_work(batch) if work is None else work
+        host = self._host_time(batch) if host is None else host
         return (model.linear(work.linear_tokens + len(batch.cpu_decodes)) + work.attention_seconds + host
                 + model.iteration_overhead)
 
-    def predicted_time(self, plan: SchedulerOutput) -> float:
-        """Estimated seconds of a plan."""
+    def _estimate(self, plan: SchedulerOutput) -> tuple[float, float]:
+        """(estimated seconds of a plan, of which host attention)."""
+        host = [self._host_time(batch) for batch in plan.sub_batches]
         if len(plan.sub_batches) == 2:
             batch0, batch1 = plan.sub_batches
-            context0 = sum(r.num_tokens for r in batch0.cpu_decodes)
-            context1 = sum(r.num_tokens for r in batch1.cpu_decodes)
-            return self._two_batch_time(self._gpu_work(batch0), len(batch0.cpu_decodes), context0,
-                                        len(batch1.cpu_decodes), context1)
-        return self._sequential_time(plan.sub_batches[0]) if plan.sub_batches else 0.0
+            model = self.perf_model
+            work0 = self._gpu_work(batch0)
+            seconds = model.two_batch_time(model.linear(work0.linear_tokens + len(batch0.cpu_decodes)),
+                                           work0.attention_seconds, model.linear(len(batch1.cpu_decodes)),
+                                           host[0], host[1])
+        else:
+            seconds = self._sequential_time(plan.sub_batches[0], host=host[0]) if plan.sub_batches else 0.0
+        return seconds, sum(host)

@@ -173,26 +173,12 @@ def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_
     scheduler = Scheduler(config, manager)
     first, second = make_request(0, prompt_len=8, max_tokens=60), make_request(1, prompt_len=20, max_tokens=60)
     later = make_request(2, prompt_len=20, max_tokens=10)
-    for request in (first, second):
+    for request in (first, second, later):
         scheduler.add(request)
-    ended = []
-    for step in range(400):
-        if step == 5:
-            scheduler.add(later)
-        if not scheduler.num_unfinished:
-            break
-        plan = scheduler.schedule()
-        assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
-        ended += plan.finished
-        for request in plan.requests:
-            request.num_cached_tokens = request.num_tokens
-            request.append_token(3)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                scheduler.finish(request, "length")
-        scheduler.remove_finished()
-    assert not scheduler.num_unfinished
+    run_to_completion(scheduler, [first, second, later])
+    ended = [r for r in (first, second, later) if r.num_output_tokens < r.sampling_params.max_tokens]
     # The pool fills as they grow; preemption victims (the newest) past the budget end, the
-    # oldest request finishes, and nothing waits forever.
+    # oldest request finishes, and nothing waits forever (run_to_completion checks each plan).
     assert second in ended and first not in ended and first.num_output_tokens == 60
     for request in ended:
         assert request.num_tokens > config.max_num_batched_tokens
