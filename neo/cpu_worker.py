@@ -35,7 +35,10 @@ class CpuAttentionWorker:
     def _timed(self, task):
         start = time.perf_counter()
         try:
-            return task()
+            # Inference mode is per thread: the caller's tensors are inference tensors, which
+            # ops may update in place only under it.
+            with torch.inference_mode():
+                return task()
         finally:
             with self._lock:
                 self._busy_seconds += time.perf_counter() - start
