@@ -11,8 +11,9 @@ Scenarios (dummy weights, bf16; see ``SCENARIOS``):
 Each run submits all requests at once and reports the steady throughput (``neo.bench``); runs
 can be capped in time (``--duration``) so that a sweep fits a session. From the per-iteration
 trace of the offloading policies it also reports the scheduler's accuracy (median
-|predicted - measured| / measured iteration time), the median ratio of measured to predicted
-host attention time (decode-only iterations: a check of the profiled table), and, for
+|predicted - measured| / measured iteration time), the median ratio of measured to profiled
+host attention time (decode-only iterations: a check of the profiled table, which the
+scheduler corrects online), and, for
 two-sub-batch iterations, how much of the host attention hid under GPU work (1 - GPU idle /
 host busy) and the GPU idle time.
 
@@ -60,14 +61,14 @@ def trace_statistics(records: list[dict]) -> dict:
         return max(0.0, record["measured_seconds"] - record["gpu_busy_seconds"])
 
     host_busy = sum(r["cpu_busy_seconds"] for r in two)
-    host_ratios = [r["cpu_busy_seconds"] / r["predicted_cpu_seconds"] for r in records
-                   if r["cpu_decodes"] and not r["prefill_tokens"] and r["predicted_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
+    host_ratios = [r["cpu_busy_seconds"] / r["profiled_cpu_seconds"] for r in records
+                   if r["cpu_decodes"] and not r["prefill_tokens"] and r["profiled_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
     gpu_idle_two = sum(idle(r) for r in two)
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
         "median_relative_prediction_error": statistics.median(errors) if errors else None,
-        "median_host_measured_over_predicted": statistics.median(host_ratios) if host_ratios else None,
+        "median_host_measured_over_profiled": statistics.median(host_ratios) if host_ratios else None,
         "hidden_host_attention_share": (max(0.0, 1 - gpu_idle_two / host_busy) if host_busy else None),
         "gpu_idle_fraction_two_batch": gpu_idle_two / sum(r["measured_seconds"] for r in two) if two else None,
         "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
@@ -162,7 +163,7 @@ def main() -> None:
         share = metrics["two_batch_iterations"] / metrics["iterations"] if metrics["iterations"] else 0.0
         error = trace["median_relative_prediction_error"]
         hidden = trace["hidden_host_attention_share"]
-        host_ratio = trace["median_host_measured_over_predicted"]
+        host_ratio = trace["median_host_measured_over_profiled"]
         print(f"{run['workload']:<34} {run['policy']:<13} {run['threads'] or '-':>4} "
               f"{run['steady_output_tokens_per_s']:13.1f} {ratio:11.2f} {share:8.2f} "
               f"{'-' if error is None else f'{error:.3f}':>9} {'-' if host_ratio is None else f'{host_ratio:.2f}':>9} "

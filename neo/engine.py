@@ -192,9 +192,18 @@ class LLMEngine:
         elapsed = time.perf_counter() - start
         self.metrics.busy_seconds += elapsed
         self._count(plan)
+        host_seconds = self._host_seconds()
+        self.scheduler.observe(plan, host_seconds)
         if self.trace is not None:
-            self._record(plan, elapsed)
+            self._record(plan, elapsed, host_seconds)
         return self._postprocess(plan, tokens)
+
+    def _host_seconds(self) -> float:
+        """Host attention time of the iteration just executed."""
+        if self.worker is None:
+            return 0.0
+        measured = self.runner.host_busy_seconds()
+        return self.worker.take_busy_seconds() if measured is None else measured
 
     def _fail(self, plan: SchedulerOutput) -> None:
         """The iteration raised: end its requests (their KV may be half written) and give their
@@ -204,17 +213,15 @@ class LLMEngine:
                 logger.error("request %s ended: its iteration failed", request.request_id)
                 self.abort_request(request.request_id, reason="error")
 
-    def _record(self, plan: SchedulerOutput, elapsed: float) -> None:
+    def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float) -> None:
         batches = [batch for batch in plan.sub_batches if batch]
-        host_busy = self.runner.host_busy_seconds()
-        if host_busy is None:
-            host_busy = self.worker.take_busy_seconds() if self.worker else 0.0
         self.trace.add(IterationRecord(
             iteration=self.metrics.iterations, num_sub_batches=len(batches),
             prefill_tokens=sum(b.num_prefill_tokens for b in batches),
             gpu_decodes=sum(len(b.gpu_decodes) for b in batches),
             cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
             predicted_seconds=plan.predicted_time, predicted_cpu_seconds=plan.predicted_host_time,
+            profiled_cpu_seconds=plan.profiled_host_time,
             measured_seconds=elapsed,
             cpu_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds()))

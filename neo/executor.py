@@ -130,8 +130,9 @@ class PipelineExecutor:
                                          and dispatched("store_kv_cache", "cpu") == "ispc")
         self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         # GPU busy time per iteration (for the trace): the iteration's span minus the time the
-        # compute stream spent waiting for the host, from events on the compute stream; host
-        # busy time from events around the host functions on the copy stream.
+        # compute stream spent waiting for the host, from events on the compute stream. Host
+        # busy time (which the scheduler learns from) from events around the host functions on
+        # the copy stream, every iteration.
         self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
         self._span_events: list[torch.cuda.Event] = []
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -182,7 +183,7 @@ class PipelineExecutor:
     def host_busy_seconds(self) -> float | None:
         """The last iteration's time in host functions on the copy stream (once it has
         completed); None when the host work ran on the worker thread, which counts its own."""
-        if not self.measure_gpu_busy or not self.stream_ordered_host_work:
+        if not self.stream_ordered_host_work:
             return None
         return sum(before.elapsed_time(after) for before, after in self._host_events) / 1e3
 
@@ -279,15 +280,14 @@ class PipelineExecutor:
                     return self._host_task(pinned, output, meta, host_k_cache, host_v_cache)
 
                 return self.worker.submit(task), rows
-            host_started = self._timing_event()
+            host_started = self._timing_event(always=True)
             torch.ops.neo_pipeline.enqueue_host_decode(
                 output, pinned.query, pinned.key, pinned.value, host_k_cache, host_v_cache,
                 meta.cpu_slot_mapping_host, meta.cpu_block_table_host, meta.cpu_seq_lens_host,
                 self.scale, pinned.offload_key, pinned.offload_value,
                 meta.offload_slot_mapping_host if pinned.offload_key is not None else None,
                 self.host_failure, self.worker.num_threads)
-            if host_started is not None:
-                self._host_events.append((host_started, self._timing_event()))
+            self._host_events.append((host_started, self._timing_event(always=True)))
             attention_output[rows].copy_(output, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -325,8 +325,10 @@ class PipelineExecutor:
         if before is not None:
             self._wait_events.append((before, self._timing_event()))
 
-    def _timing_event(self) -> torch.cuda.Event | None:
-        if not self.measure_gpu_busy:
+    def _timing_event(self, always: bool = False) -> torch.cuda.Event | None:
+        """A timing event recorded on the current stream; None unless measuring GPU busy
+        time or ``always``."""
+        if not (self.measure_gpu_busy or always):
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()

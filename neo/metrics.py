@@ -35,7 +35,8 @@ class IterationRecord:
     gpu_decodes: int
     cpu_decodes: int
     predicted_seconds: float | None
-    predicted_cpu_seconds: float | None
+    predicted_cpu_seconds: float | None  # calibrated estimate of the host attention
+    profiled_cpu_seconds: float | None  # the profile's estimate before calibration
     measured_seconds: float
     cpu_busy_seconds: float
     gpu_busy_seconds: float | None

@@ -33,13 +33,17 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    request waits more than ``max_host_wait`` iterations for a decode.
    ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
    between the sub-batches to balance them.
+
+Host-attention estimates are the profile's times corrected by the host time the engine measured
+in recent iterations (``HostTimeCalibration``, fed through ``observe``); before any measurement
+the correction is optimistic, so host decodes are tried once wherever they might pay.
 """
 
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .perf_model import PerfModel
+from .perf_model import HostTimeCalibration, PerfModel
 from .request import KVLocation, Request
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, SubBatch
@@ -91,9 +95,10 @@ class _GpuWork:
 
 class OffloadScheduler(Scheduler):
     def __init__(self, config: EngineConfig, block_manager: BlockManager, perf_model: PerfModel,
-                 num_layers: int, max_host_wait: int = 4):
+                 num_layers: int, max_host_wait: int = 4, host_calibration: HostTimeCalibration | None = None):
         super().__init__(config, block_manager)
         self.perf_model = perf_model
+        self.host_calibration = host_calibration or HostTimeCalibration()
         self.num_layers = num_layers
         self.max_host_wait = max_host_wait
         self.full_offload = config.policy == "full-offload"
@@ -123,9 +128,17 @@ class OffloadScheduler(Scheduler):
         batch1 = self._place_host_decodes(batch0, host_requests)
         output.sub_batches = [batch for batch in (batch0, batch1) if batch]
         output.predicted_time, output.predicted_host_time = self._estimate(output)
+        output.profiled_host_time = output.predicted_host_time / self.host_calibration.scale
         for request in output.requests:
             request.last_scheduled_iteration = self.iteration
         return output
+
+    def observe(self, plan: SchedulerOutput, host_seconds: float) -> None:
+        """The measured host time of an executed plan corrects later host estimates (plans
+        that also copied out a prefill's K/V on the host are left out: the estimate omits it)."""
+        if not plan.profiled_host_time or any(r.location is CPU for b in plan.sub_batches for r in b.prefills):
+            return
+        self.host_calibration.observe(plan.profiled_host_time, host_seconds)
 
     # -- 1. decode slots ------------------------------------------------------------------------
 
@@ -258,7 +271,7 @@ class OffloadScheduler(Scheduler):
 
         def rate(requests: int, context: int) -> float:
             time = model.two_batch_time(gpu_time, 0.0, model.linear(requests), 0.0,
-                                        model.cpu_attention(requests, context))
+                                        self._host_attention(requests, context))
             return (gpu_count + requests) / (time + EPSILON)
 
         current = rate(len(host_requests), host_context) if host_requests else -1.0
@@ -296,11 +309,15 @@ class OffloadScheduler(Scheduler):
                         requests1: int, context1: int) -> float:
         model = self.perf_model
         return model.two_batch_time(model.linear(work0.linear_tokens + requests0), work0.attention_seconds,
-                                    model.linear(requests1), model.cpu_attention(requests0, context0),
-                                    model.cpu_attention(requests1, context1))
+                                    model.linear(requests1), self._host_attention(requests0, context0),
+                                    self._host_attention(requests1, context1))
+
+    def _host_attention(self, num_requests: int, context_tokens: int) -> float:
+        """Host attention seconds of that many decodes: the profile's, corrected."""
+        return self.perf_model.cpu_attention(num_requests, context_tokens) * self.host_calibration.scale
 
     def _host_time(self, batch: SubBatch) -> float:
-        return self.perf_model.cpu_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+        return self._host_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
 
     def _sequential_time(self, batch: SubBatch, work: _GpuWork | None = None, host: float | None = None) -> float:
         """One sub-batch: its host attention (if any) does not overlap GPU work. ``work`` and

@@ -19,10 +19,14 @@ attention, as it does in the engine.
 
 ``PerfModel.zero()`` predicts zero for everything (for tests: the scheduler then admits all
 host decodes and prefers the plan with more tokens).
+
+``HostTimeCalibration`` corrects the profiled host-attention time by what the engine measures
+while it serves (see its docstring).
 """
 
 import bisect
 import json
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -113,3 +117,48 @@ class PerfModel:
     @property
     def iteration_overhead(self) -> float:
         return self.table.iteration_overhead
+
+
+class HostTimeCalibration:
+    """A factor on the profiled host-attention time, learned from the engine's iterations.
+
+    The profile times host attention in isolated iterations; in the engine's pipelined ones the
+    same work took 0.67-1.0x as long on the H100 host (the CPU's threads stay busy from layer to
+    layer there), and the ratio moves with the load. The factor is the measured over the
+    profiled host time of the last ``window`` iterations with host decodes (sums, so long
+    iterations weigh more), within ``bounds``.
+
+    Before the first measurement it is ``prior`` (below 1: optimistic), so that a scheduler that
+    would never offload on the profile alone tries host decodes once where they would pay at
+    that speed, measures them, and then follows the measurement.
+    """
+
+    def __init__(self, prior: float = 0.5, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
+        if not bounds[0] <= prior <= bounds[1]:
+            raise ValueError(f"prior {prior} is outside the bounds {bounds}")
+        self.prior = prior
+        self.bounds = bounds
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profiled, measured)
+
+    @property
+    def scale(self) -> float:
+        if not self._samples:
+            return self.prior
+        profiled = sum(sample[0] for sample in self._samples)
+        measured = sum(sample[1] for sample in self._samples)
+        return min(max(measured / profiled, self.bounds[0]), self.bounds[1])
+
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        """The (profiled, measured) seconds of the iterations in the window, oldest first."""
+        return list(self._samples)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, profiled_seconds: float, measured_seconds: float) -> None:
+        """One iteration's host attention: the profile's uncorrected estimate and the measured
+        time (ignored unless both are positive)."""
+        if profiled_seconds > 0 and measured_seconds > 0:
+            self._samples.append((profiled_seconds, measured_seconds))

@@ -280,8 +280,6 @@ class Profiler:
         """Host time of one iteration in which requests of ``lengths`` decode on the host."""
         requests = self._requests(KVLocation.CPU, lengths)
         plan = SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=requests)])
-        executor = self.engine.runner.executor
-        measuring, executor.measure_gpu_busy = executor.measure_gpu_busy, executor.on_cuda
         try:
             samples = []
             for _ in range(self.repeats + 1):
@@ -292,7 +290,6 @@ class Profiler:
                 samples.append(self.engine.worker.take_busy_seconds() if host is None else host)
             return statistics.median(samples[1:])
         finally:
-            executor.measure_gpu_busy = measuring
             for request in requests:
                 self.engine.block_manager.free(request)
 

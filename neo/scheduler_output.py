@@ -45,6 +45,7 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
     predicted_time: float | None = None  # seconds, from the PerfModel (offloading policies)
     predicted_host_time: float | None = None  # of which host attention (both sub-batches)
+    profiled_host_time: float | None = None  # the same from the profile alone (uncalibrated)
 
     @property
     def is_empty(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.perf_model import PerfTable
 from neo.request import KVLocation
 
 
@@ -227,3 +228,35 @@ def test_trace_records_every_iteration(tmp_path):
         assert record["measured_seconds"] > 0 and record["cpu_busy_seconds"] >= 0
         assert record["predicted_seconds"] == 0.0 and record["predicted_cpu_seconds"] == 0.0  # zero model
         assert record["cpu_busy_seconds"] > 0 or not record["cpu_decodes"]
+
+
+def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path):
+    # Whatever the host really takes against this straight-line profile, the scheduler's
+    # correction is the measured over profiled host time of the last decode-only iterations, as
+    # the trace records them.
+    tokens = [1, 64, 4096]
+    table = PerfTable(linear_tokens=tokens, linear_seconds=[1e-3 + 1e-6 * t for t in tokens],
+                      gpu_attention_tokens=tokens, gpu_attention_seconds=[1e-7 * t for t in tokens],
+                      prefill_lengths=tokens, prefill_seconds=[1e-7 * t for t in tokens],
+                      cpu_attention_requests=[1, 8], cpu_attention_tokens=[tokens, tokens],
+                      cpu_attention_seconds=[[1e-4 + 1e-6 * t for t in tokens]] * 2)
+    table.save(str(tmp_path / "table.json"))
+    path = tmp_path / "trace.json"
+    engine = LLMEngine(EngineConfig(model="neo-tiny", policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(10),
+                                    cpu_kv_cache_gib=gib_for_blocks(256), perf_model=str(tmp_path / "table.json"),
+                                    max_num_seqs=8, trace_path=str(path)))
+    try:
+        for prompt in PROMPTS:
+            engine.add_request(prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        calibration = engine.scheduler.host_calibration
+    finally:
+        engine.close()
+    records = json.loads(path.read_text())
+    decode_only = [(r["profiled_cpu_seconds"], r["cpu_busy_seconds"]) for r in records
+                   if r["cpu_decodes"] and not r["prefill_tokens"]]
+    assert calibration.num_samples == min(len(decode_only), 16) > 0
+    assert calibration.samples == decode_only[-calibration.num_samples:]
+    profiled, measured = map(sum, zip(*calibration.samples))
+    assert calibration.scale == pytest.approx(min(max(measured / profiled, 0.25), 4.0))

@@ -2,13 +2,14 @@
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neo.block_manager import BlockManager
 from neo.config import EngineConfig
 from neo.offload_scheduler import OffloadScheduler
-from neo.perf_model import PerfModel, PerfTable
+from neo.perf_model import HostTimeCalibration, PerfModel, PerfTable
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
 from neo.scheduler_output import SubBatch
@@ -31,20 +32,29 @@ def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token
 
 
 def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int, perf_model: PerfModel,
-                   max_num_seqs: int = 64, block_size: int = 16) -> OffloadScheduler:
+                   max_num_seqs: int = 64, block_size: int = 16, host_prior: float = 1.0) -> OffloadScheduler:
+    """By default the profile is taken as exact (calibration prior 1, nothing observed)."""
     config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=2048)
     manager = BlockManager(gpu_blocks, cpu_blocks, block_size)
-    return OffloadScheduler(config, manager, perf_model, num_layers=4)
+    return OffloadScheduler(config, manager, perf_model, num_layers=4,
+                            host_calibration=HostTimeCalibration(prior=host_prior))
 
 
-def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, max_steps=20_000) -> None:
-    """Stand-in for the engine loop: one token per scheduled request per iteration."""
-    for request in requests:
-        scheduler.add(request)
+def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, max_steps=20_000,
+          arrivals_per_step: int | None = None) -> None:
+    """Stand-in for the engine loop: one token per scheduled request per iteration. Requests
+    arrive all at once, or ``arrivals_per_step`` before each iteration."""
+    pending = list(requests)
     for _ in range(max_steps):
-        if not scheduler.num_unfinished:
+        arriving = len(pending) if arrivals_per_step is None else arrivals_per_step
+        for request in pending[:arriving]:
+            scheduler.add(request)
+        del pending[:arriving]
+        if not scheduler.num_unfinished and not pending:
             return
+        if not scheduler.num_unfinished:
+            continue
         plan = scheduler.schedule()
         assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
         assert len(plan.sub_batches) <= 2
@@ -167,6 +177,60 @@ def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
     assert len(checked) > 5
     # With no pipeline overhead the best plans keep host attention close to the GPU time.
     assert sorted(checked)[len(checked) // 2] < 1.5
+
+
+def test_host_calibration_is_the_measured_over_profiled_ratio_of_recent_iterations():
+    calibration = HostTimeCalibration(prior=0.5, window=3, bounds=(0.25, 4.0))
+    assert calibration.scale == 0.5 and calibration.num_samples == 0
+    calibration.observe(0.0, 1.0)  # no estimate: nothing learned
+    calibration.observe(1.0, 0.0)
+    assert calibration.num_samples == 0
+    calibration.observe(1.0, 2.0)
+    calibration.observe(3.0, 2.0)
+    assert calibration.scale == 4.0 / 4.0
+    for _ in range(3):  # the window keeps the last three
+        calibration.observe(2.0, 1.0)
+    assert calibration.scale == 0.5
+    calibration.observe(1.0, 100.0)
+    calibration.observe(1.0, 100.0)
+    calibration.observe(1.0, 100.0)
+    assert calibration.scale == 4.0  # bounded
+    with pytest.raises(ValueError, match="prior"):
+        HostTimeCalibration(prior=10.0)
+
+
+@pytest.mark.parametrize("measured_over_profiled, admits_after_measuring", [(1.0, False), (0.3, True)])
+def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time(measured_over_profiled,
+                                                                                 admits_after_measuring):
+    # On the profile alone host decodes do not pay; at the optimistic prior they would. The
+    # scheduler offloads until its first measurement, then (from the iteration after next: each
+    # iteration decides the next one's admissions) admits new requests to the host pool only if
+    # the measured host speed makes that pay.
+    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=4e-6)
+    requests = requests_of(96, prompt_len=100, max_tokens=40)
+    trusting = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
+    host_prefills = []
+    drive(trusting, requests_of(96, prompt_len=100, max_tokens=40), arrivals_per_step=2,
+          on_plan=lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is CPU))
+    assert not host_prefills
+
+    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128,
+                               host_prior=0.5)
+    before, after = [], []
+    measured_iterations = []
+
+    def on_plan(plan):  # what the engine does after executing the plan
+        host_bound = [r for b in plan.sub_batches for r in b.prefills if r.location is CPU]
+        (after if len(measured_iterations) > 1 else before).extend(host_bound)
+        scheduler.observe(plan, measured_over_profiled * (plan.profiled_host_time or 0.0))
+        if scheduler.host_calibration.num_samples:
+            measured_iterations.append(plan)
+
+    drive(scheduler, requests, on_plan, arrivals_per_step=2)
+    assert before, "the optimistic prior should try host decodes"
+    assert scheduler.host_calibration.num_samples > 0
+    assert scheduler.host_calibration.scale == pytest.approx(measured_over_profiled)
+    assert bool(after) == admits_after_measuring
 
 
 def test_full_offload_decodes_every_host_request_every_iteration():
