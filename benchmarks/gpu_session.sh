@@ -5,12 +5,14 @@
 #
 # Stages:
 #   build        build the CPU (ISPC) and CUDA extensions (or reuse prebuilt ones, see below)
+#   build-cpu    rebuild only the CPU (ISPC) extension, reusing a prebuilt CUDA one
 #   ops-tests    every op test on CUDA and on this host's CPU (ISPC), CUDA extras, opcheck
 #   sanitizer    compute-sanitizer memcheck over the attention, KV-store and swap CUDA tests
 #   kernels      CUDA kernel benchmark (vs SDPA, vs copy bandwidth) and the CPU decode-attention
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
 #   engine-tests the engine on CUDA: float32 tokens vs CPU and transformers, bf16 logits
 #   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
+#   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes)
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
@@ -69,6 +71,15 @@ stage_build() {
   python3 -m neo.ops | tee "$out/files/ops.txt"
 }
 
+stage_build_cpu() {
+  [ -f .carry/ispc/install.sh ] || { echo "build-cpu needs .carry/ispc"; failures+=(build-cpu); return; }
+  cp .carry/prebuilt/_cuda_kernels*.so ops/
+  ISPC=$(bash .carry/ispc/install.sh /tmp/neo-ispc); export ISPC
+  run build-cpu env NEO_BUILD_CUDA=0 MAX_JOBS=16 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
+  for library in ops/_cpu_kernels*.so; do cp "$library" "$out/prebuilt-$(basename "$library")"; done
+  python3 -m neo.ops > "$out/files/ops.txt"
+}
+
 stage_ops_tests() {
   run ops-cuda python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_paged_decode_attention.py \
     tests/test_store_kv_cache.py tests/test_swap_blocks.py tests/test_layer_ops.py tests/test_opcheck.py \
@@ -101,6 +112,12 @@ stage_engine() {
     run "bench-$workload" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 \
       --workload "$workload" --num-requests "$requests" --duration "$seconds" --json \
       > "$out/files/bench-8b-${workload%%:*}.json"
+  done
+}
+
+stage_handoff() {
+  for model in llama-3.1-8b qwen2.5-32b; do
+    run "handoff-$model" python3 benchmarks/host_handoff.py --model "$model" --json "$out/files/handoff-$model.json"
   done
 }
 

@@ -36,7 +36,7 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
 
 Host-attention estimates are the profile's times corrected by the host time the engine measured
 in recent iterations (``HostTimeCalibration``, fed through ``observe``); before any measurement
-the correction is optimistic, so host decodes are tried once wherever they might pay.
+the correction is optimistic, so host decodes are tried wherever they might pay.
 """
 
 from dataclasses import dataclass, field

@@ -1,0 +1,141 @@
+"""Cost of the host hand-off: one layer's host decode attention inside the engine vs alone.
+
+For each host batch (requests x tokens) it times, on one engine (zero perf model, its own
+model, pools and host functions):
+
+- ``alone``: ``store_kv_cache`` + ``paged_decode_attention`` on the host cache of one layer,
+  called back to back from this thread with the engine's host thread count (the kernels'
+  own cost);
+- ``engine``: the same host work as a plan through the executor: one sub-batch of host
+  decodes, per layer the host function's time between events on the copy stream;
+- ``pipelined``: the requests split over two sub-batches beside one GPU decode (the two-sub-
+  batch pipeline), host time per layer and sub-batch, and the iteration's wall time.
+
+The ratio engine / alone is what the hand-off (CUDA host functions, thread wake-ups,
+contention with the launching thread) adds to the kernels. CUDA only.
+
+    python benchmarks/host_handoff.py --model qwen2.5-32b [--batches 1x256,8x256,16x1024] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from neo import EngineConfig, LLMEngine
+from neo.bench import device_name
+from neo.profiler import Profiler
+from neo.request import KVLocation
+from neo.scheduler_output import SchedulerOutput, SubBatch
+
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def time_alone(engine: LLMEngine, requests, repeats: int) -> float:
+    """Seconds per layer of the host kernels called back to back on one layer's host cache."""
+    config = engine.model_config
+    count = len(requests)
+    query = torch.randn(count, config.num_heads, config.head_dim, dtype=engine.dtype)
+    key = torch.randn(count, config.num_kv_heads, config.head_dim, dtype=engine.dtype)
+    output = torch.empty_like(query)
+    block_size = engine.config.block_size
+    width = max(len(r.block_table) for r in requests)
+    table = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in requests], dtype=torch.int32)
+    lengths = torch.tensor([r.num_tokens for r in requests], dtype=torch.int32)
+    slots = torch.tensor([r.block_table[(r.num_tokens - 1) // block_size] * block_size + (r.num_tokens - 1) % block_size
+                          for r in requests], dtype=torch.int64)
+    k_cache, v_cache = engine.kv_cache.cpu_layers[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(engine.worker.num_threads)
+    try:
+        samples = []
+        for _ in range(repeats + 5):
+            start = time.perf_counter()
+            torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
+            torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, lengths,
+                                                 config.head_dim ** -0.5)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[5:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def time_plan(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, float]:
+    """(host seconds, wall seconds) of one iteration of ``plan``, medians after a warm-up."""
+    host, wall = [], []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        engine.runner.execute(plan)
+        wall.append(time.perf_counter() - start)
+        host.append(engine.runner.host_busy_seconds())
+    return statistics.median(host[1:]), statistics.median(wall[1:])
+
+
+def measure(engine: LLMEngine, count: int, length: int, repeats: int) -> dict:
+    profiler = Profiler(engine)
+    layers = engine.model_config.num_layers
+    host = profiler._requests(KVLocation.CPU, [length] * count)
+    gpu = profiler._requests(KVLocation.GPU, [length])
+    try:
+        alone = time_alone(engine, host, repeats)
+        engine_host, engine_wall = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=host)]), repeats)
+        half = max(1, count // 2)
+        pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:half]),
+                                                 SubBatch(cpu_decodes=host[half:] or host[:1])])
+        pipelined_host, pipelined_wall = time_plan(engine, pipelined, repeats)
+    finally:
+        for request in host + gpu:
+            engine.block_manager.free(request)
+    return {
+        "requests": count, "tokens_per_request": length,
+        "alone_us_per_layer": alone * 1e6,
+        "engine_us_per_layer": engine_host / layers * 1e6,
+        "engine_over_alone": engine_host / layers / alone,
+        "engine_iteration_ms": engine_wall * 1e3,
+        "pipelined_us_per_layer_and_sub_batch": pipelined_host / (2 * layers) * 1e6,
+        "pipelined_iteration_ms": pipelined_wall * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--batches", default="1x256,8x256,16x1024", help="host batches as REQUESTSxTOKENS")
+    parser.add_argument("--cpu-kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_handoff.py measures CUDA host functions: it needs a CUDA device")
+    engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", policy="neo",
+                                    gpu_kv_cache_gib=1.0, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+                                    perf_model="zero", max_model_len=4096))
+    if not engine.runner.executor.stream_ordered_host_work:
+        raise SystemExit("the host work runs on the worker thread here (no ISPC kernels or no CUDA "
+                         "extension): nothing to measure")
+    results = []
+    try:
+        for batch in args.batches.split(","):
+            count, length = (int(part) for part in batch.split("x"))
+            result = measure(engine, count, length, args.repeats)
+            results.append(result)
+            print(f"{count:4d} x {length:5d}: alone {result['alone_us_per_layer']:7.0f} us/layer | engine "
+                  f"{result['engine_us_per_layer']:7.0f} us/layer ({result['engine_over_alone']:.2f}x alone), "
+                  f"iteration {result['engine_iteration_ms']:6.1f} ms | pipelined "
+                  f"{result['pipelined_us_per_layer_and_sub_batch']:7.0f} us/layer/sub-batch, iteration "
+                  f"{result['pipelined_iteration_ms']:6.1f} ms", flush=True)
+    finally:
+        engine.close()
+    report = {"device": device_name(engine.device), "model": args.model,
+              "host_threads": engine.worker.num_threads, "results": results}
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
