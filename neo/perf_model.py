@@ -138,17 +138,10 @@ class HostTimeCalibration:
     def __init__(self, prior: float = 0.67, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
         if not bounds[0] <= prior <= bounds[1]:
             raise ValueError(f"prior {prior} is outside the bounds {bounds}")
-        self.prior = prior
         self.bounds = bounds
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profiled, measured)
-
-    @property
-    def scale(self) -> float:
-        if not self._samples:
-            return self.prior
-        profiled = sum(sample[0] for sample in self._samples)
-        measured = sum(sample[1] for sample in self._samples)
-        return min(max(measured / profiled, self.bounds[0]), self.bounds[1])
+        # Read for every host estimate the scheduler makes: kept up to date in ``observe``.
+        self.scale = prior
 
     @property
     def samples(self) -> list[tuple[float, float]]:
@@ -164,3 +157,6 @@ class HostTimeCalibration:
         time (ignored unless both are positive)."""
         if profiled_seconds > 0 and measured_seconds > 0:
             self._samples.append((profiled_seconds, measured_seconds))
+            profiled = sum(sample[0] for sample in self._samples)
+            measured = sum(sample[1] for sample in self._samples)
+            self.scale = min(max(measured / profiled, self.bounds[0]), self.bounds[1])
