@@ -3,6 +3,7 @@
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -177,15 +178,23 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> postprocess. Returns the requests that got a
-        token (finished ones marked so)."""
+        token (finished ones marked so).
+
+        ``on_launched`` is called once per step: when the iteration's device work is queued,
+        before the engine waits for it (at once when the plan is empty). A caller that hands
+        out outputs on another thread (``neo.server``) passes the previous iteration's there,
+        so that handing them out overlaps the device's work instead of delaying the launch.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if on_launched is not None:
+                on_launched()
             return []
         start = time.perf_counter()
         try:
-            tokens = self.runner.execute(plan)
+            tokens = self.runner.execute(plan, on_launched)
         except BaseException:
             self._fail(plan)
             raise

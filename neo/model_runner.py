@@ -1,5 +1,7 @@
 """``ModelRunner``: executes a plan. It never decides anything."""
 
+from collections.abc import Callable
+
 import torch
 
 from .batch_inputs import build_batch_inputs
@@ -29,14 +31,18 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> list[int]:
-        """Run the plan; returns the sampled token of each request in ``plan.requests`` order."""
+    def execute(self, plan: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> list[int]:
+        """Run the plan; returns the sampled token of each request in ``plan.requests`` order.
+        ``on_launched`` is called once the device work (sampling included) is queued, before
+        waiting for the tokens."""
         batches = [build_batch_inputs(batch, self.block_size, self.device)
                    for batch in plan.sub_batches if batch]
         requests = [request for inputs in batches for request in inputs.requests]
         if not requests:
             if plan.swap_out or plan.swap_in:
                 self.swap(plan)
+            if on_launched is not None:
+                on_launched()
             return []
         graphs = self.decode_graphs
         self._replayed_graph = (graphs is not None and len(batches) == 1 and not plan.swap_out
@@ -45,8 +51,10 @@ class ModelRunner:
             logits = graphs.run(batches[0])
         else:
             logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
-        tokens = self.sampler(logits, [r.sampling_params for r in requests],
-                              [r.generator for r in requests]).tolist()  # waits for the device
+        sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+        if on_launched is not None:
+            on_launched()
+        tokens = sampled.tolist()  # waits for the device
         self.executor.raise_host_failure()
         return tokens
 

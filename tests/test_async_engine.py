@@ -190,10 +190,10 @@ def test_failed_iteration_ends_its_requests_only(seed, reference_llm):
         engine = LLMEngine(EngineConfig(**ENGINE_OPTIONS))
         execute = engine.runner.execute
 
-        def failing_execute(plan):
+        def failing_execute(plan, on_launched=None):
             if any(request.request_id == "doomed" for request in plan.requests):
                 raise RuntimeError("injected kernel failure")
-            return execute(plan)
+            return execute(plan, on_launched)
 
         engine.runner.execute = failing_execute
         async_engine = AsyncEngine(engine)
@@ -220,10 +220,10 @@ def test_outputs_queued_before_a_failure_are_not_lost(seed):
         engine = LLMEngine(EngineConfig(**ENGINE_OPTIONS))
         execute = engine.runner.execute
 
-        def failing_execute(plan):  # the third token fails
+        def failing_execute(plan, on_launched=None):  # the third token fails
             if any(request.num_output_tokens == 2 for request in plan.requests):
                 raise RuntimeError("injected kernel failure")
-            return execute(plan)
+            return execute(plan, on_launched)
 
         engine.runner.execute = failing_execute
         async_engine = AsyncEngine(engine)
@@ -293,9 +293,9 @@ def test_idle_engine_thread_sleeps(seed):
         calls = {"step": 0, "schedule": 0}
         step = engine.step
 
-        def counting_step():
+        def counting_step(on_launched=None):
             calls["step"] += 1
-            return step()
+            return step(on_launched)
 
         engine.step = counting_step
         async_engine = AsyncEngine(engine, stalled_wait_seconds=0.01)

@@ -260,3 +260,21 @@ def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path):
     assert calibration.samples == decode_only[-calibration.num_samples:]
     profiled, measured = map(sum, zip(*calibration.samples))
     assert calibration.scale == pytest.approx(min(max(measured / profiled, 0.25), 4.0))
+
+
+@pytest.mark.parametrize("policy", ["gpu-only", "neo"])
+def test_step_reports_its_launch_once_before_its_tokens(policy):
+    """``on_launched`` runs once per step, after scheduling and before the step's tokens are
+    appended, also when the plan is empty."""
+    engine = LLMEngine(EngineConfig(policy=policy, gpu_kv_cache_gib=gib_for_blocks(4),
+                                    cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero"))
+    try:
+        request = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0))
+        seen = []
+        while engine.has_unfinished_requests():
+            engine.step(on_launched=lambda: seen.append(request.num_output_tokens))
+        assert seen == [0, 1, 2]
+        engine.step(on_launched=lambda: seen.append("empty"))
+        assert seen[-1] == "empty"
+    finally:
+        engine.close()

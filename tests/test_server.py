@@ -535,11 +535,11 @@ def test_failed_iteration_becomes_a_server_error(tiny_server, good_request):
     execute = engine.runner.execute
     marker = [300, 301, 302]
 
-    def failing_execute(plan):  # fails the marked request's third token
+    def failing_execute(plan, on_launched=None):  # fails the marked request's third token
         if any(request.prompt_token_ids == marker and request.num_output_tokens == 2
                for request in plan.requests):
             raise RuntimeError("injected kernel failure")
-        return execute(plan)
+        return execute(plan, on_launched)
 
     async def main():
         async with client_for(tiny_server) as client:

@@ -13,6 +13,13 @@ engine thread holds for a few instructions. The engine thread sleeps on a condit
 there is nothing to do. Each pass of its loop applies the pending commands, runs one
 iteration, hands every output to its request's queue in one batch, and publishes an
 ``EngineStats`` snapshot for ``/metrics``.
+
+When another iteration follows at once, an iteration's outputs are handed out only once that
+next iteration's device work is queued (``LLMEngine.step``'s ``on_launched``): the event
+loop's work on them (detokenizing, SSE events, sockets) then runs while the engine thread
+waits for the device, instead of competing with it for the GIL while it launches the next
+iteration. A token reaches its client one launch later; the time between tokens stays the
+engine's own.
 """
 
 import asyncio
@@ -121,6 +128,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # Engine-thread state.
         self._tracked: dict[str, _Tracked] = {}
+        self._held: list[tuple[asyncio.Queue, object]] = []  # outputs waiting for the next launch
         self._stalled = False
         self._token_samples: collections.deque[tuple[float, int]] = collections.deque()
         self._stats = self._snapshot()
@@ -230,18 +238,22 @@ class AsyncEngine:
         try:
             while True:
                 commands, stopping = self._wait_for_work()
-                deliveries: list[tuple[asyncio.Queue, object]] = []
+                deliveries, self._held = self._held, []
                 self._apply(commands, deliveries, stopping)
                 if stopping:
                     self._abort_all(deliveries, reason_error=None)
                 elif self.engine.has_unfinished_requests():
                     self._step(deliveries)
+                    if self.engine.has_unfinished_requests() and not self._stalled:
+                        # The next pass launches at once: these go out then, with the stats.
+                        self._held = deliveries
+                        continue
                 self._publish(deliveries)
                 if stopping:
                     break
         except Exception as error:
             logger.exception("the engine thread failed")
-            deliveries = []
+            deliveries, self._held = self._held, []
             failure = RequestFailed(f"the engine thread failed: {error}")
             self._abort_all(deliveries, reason_error=failure)
             self._publish(deliveries)
@@ -290,8 +302,14 @@ class AsyncEngine:
             self._stalled = False
 
     def _step(self, deliveries: list) -> None:
+        """Run one iteration. What ``deliveries`` holds goes out once the iteration is launched;
+        the iteration's outputs are appended to it."""
+        def hand_out() -> None:
+            self._publish(deliveries[:])
+            deliveries.clear()
+
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(on_launched=hand_out)
         except Exception as error:
             logger.exception("an engine iteration failed")
             self._end_failed_requests(error, deliveries)
@@ -343,12 +361,13 @@ class AsyncEngine:
                                    request.finish_time, request.num_preemptions))
 
     def _publish(self, deliveries: list) -> None:
-        self._stats = self._snapshot()
+        """Hand the outputs to the event loop, then update the stats snapshot."""
         if deliveries and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._deliver, deliveries)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 logger.warning("dropped %d outputs: the event loop is closed", len(deliveries))
+        self._stats = self._snapshot()
 
     def _snapshot(self) -> EngineStats:
         engine = self.engine
