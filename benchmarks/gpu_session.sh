@@ -124,7 +124,7 @@ stage_handoff() {
 offload() {  # offload SCENARIO [extra arguments]: the engine profiles this machine on first use
   local scenario=$1; shift
   run "offload-$scenario" python3 benchmarks/offload.py --scenario "$scenario" --duration "$seconds" \
-    --num-requests "$requests" --output-dir "$out/files" "$@"
+    --num-requests "$requests" --output-dir "$out/files" --keep-traces "$@"
 }
 stage_offload_32b() { offload 32b-poor ${OFFLOAD_ARGS:-}; }
 stage_offload_8b_poor() { offload 8b-poor ${OFFLOAD_ARGS:-}; }

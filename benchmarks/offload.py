@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import gzip
 import json
 import logging
 import os
@@ -64,6 +65,16 @@ def trace_statistics(records: list[dict]) -> dict:
     host_ratios = [r["cpu_busy_seconds"] / r["profiled_cpu_seconds"] for r in records
                    if r["cpu_decodes"] and not r["prefill_tokens"] and r["profiled_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
     gpu_idle_two = sum(idle(r) for r in two)
+
+    def median_of(selected: list[dict], key: str) -> float | None:
+        return statistics.median(r[key] for r in selected) if selected else None
+
+    # Decode-only iterations without host work, split by how they ran: where two policies make
+    # the same plans, these show whether their execution differs.
+    decode_only = [r for r in records if r["num_sub_batches"] == 1 and not r["prefill_tokens"]
+                   and not r["cpu_decodes"]]
+    graphed = [r for r in decode_only if r["graph_replayed"]]
+    eager = [r for r in decode_only if not r["graph_replayed"]]
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
@@ -74,11 +85,30 @@ def trace_statistics(records: list[dict]) -> dict:
         "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
                                         if one else None),
         "mean_two_batch_iteration_s": statistics.mean(r["measured_seconds"] for r in two) if two else None,
+        "schedule_seconds": sum(r["schedule_seconds"] for r in records),
+        "graph_decode_iterations": len(graphed),
+        "median_graph_decode_s": median_of(graphed, "measured_seconds"),
+        "median_graph_decode_batch": median_of(graphed, "gpu_decodes"),
+        "eager_decode_iterations": len(eager),
+        "median_eager_decode_s": median_of(eager, "measured_seconds"),
+        "median_graph_decode_relative_error": statistics.median(
+            abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"]
+            for r in graphed if r["predicted_seconds"]) if any(r["predicted_seconds"] for r in graphed) else None,
     }
 
 
-def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, duration: float | None) -> list[dict]:
-    """One engine for the policy, every workload in turn (the pools are empty between them)."""
+def save_trace(directory: str, config: EngineConfig, workload: str, records: list[dict]) -> str:
+    name = f"trace-{config.policy}-{config.cpu_attention_threads or 'all'}-{workload.replace(':', '-').replace(',', '-')}"
+    path = os.path.join(directory, name.replace("=", "") + ".json.gz")
+    with gzip.open(path, "wt") as file:
+        json.dump(records, file)
+    return path
+
+
+def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, duration: float | None,
+               traces_directory: str | None = None) -> list[dict]:
+    """One engine for the policy, every workload in turn (the pools are empty between them).
+    With ``traces_directory``, each run's per-iteration trace is written there (gzip JSON)."""
     results = []
     with tempfile.TemporaryDirectory() as directory:
         config = dataclasses.replace(base, trace_path=os.path.join(directory, "trace.json"))
@@ -91,6 +121,8 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                                                duration=duration, show_progress=True)
                 records = [dataclasses.asdict(r) for r in engine.trace.records] if engine.trace else []
                 result["trace"] = trace_statistics(records)
+                if traces_directory is not None:
+                    result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
                 print(f"  {workload}: {result['steady_output_tokens_per_s']:.1f} steady output tokens/s, "
                       f"{result['output_tokens_per_s']:.1f} overall; trace {result['trace']}", flush=True)
@@ -117,6 +149,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="override the scenario's model")
     parser.add_argument("--cpu-kv-cache-gib", type=float, default=None, help="override the scenario's host pool")
     parser.add_argument("--output-dir", default=".")
+    parser.add_argument("--keep-traces", action="store_true",
+                        help="also write each run's per-iteration trace (trace-*.json.gz)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -146,7 +180,8 @@ def main() -> None:
     for policy, threads in runs_to_make:
         config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads)
         print(f"{args.scenario}: {policy}" + (f", {threads} host threads" if threads else ""), flush=True)
-        for result in run_policy(config, workloads, args.num_requests, args.duration):
+        for result in run_policy(config, workloads, args.num_requests, args.duration,
+                                 args.output_dir if args.keep_traces else None):
             runs.append({"policy": policy, "threads": threads, **result})
             report["device"] = result["device"]
             with open(path, "w") as file:  # after every run, so a cut-off sweep keeps its part

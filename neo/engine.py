@@ -187,12 +187,14 @@ class LLMEngine:
         out outputs on another thread (``neo.server``) passes the previous iteration's there,
         so that handing them out overlaps the device's work instead of delaying the launch.
         """
+        scheduling_start = time.perf_counter()
         plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        self.metrics.schedule_seconds += start - scheduling_start
         if plan.is_empty:
             if on_launched is not None:
                 on_launched()
             return []
-        start = time.perf_counter()
         try:
             tokens = self.runner.execute(plan, on_launched)
         except BaseException:
@@ -204,7 +206,7 @@ class LLMEngine:
         host_seconds = self._host_seconds()
         self.scheduler.observe(plan, host_seconds)
         if self.trace is not None:
-            self._record(plan, elapsed, host_seconds)
+            self._record(plan, elapsed, host_seconds, start - scheduling_start)
         return self._postprocess(plan, tokens)
 
     def _host_seconds(self) -> float:
@@ -222,7 +224,7 @@ class LLMEngine:
                 logger.error("request %s ended: its iteration failed", request.request_id)
                 self.abort_request(request.request_id, reason="error")
 
-    def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float) -> None:
+    def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float, schedule_seconds: float) -> None:
         batches = [batch for batch in plan.sub_batches if batch]
         self.trace.add(IterationRecord(
             iteration=self.metrics.iterations, num_sub_batches=len(batches),
@@ -233,7 +235,8 @@ class LLMEngine:
             profiled_cpu_seconds=plan.profiled_host_time,
             measured_seconds=elapsed,
             cpu_busy_seconds=host_busy,
-            gpu_busy_seconds=self.runner.gpu_busy_seconds()))
+            gpu_busy_seconds=self.runner.gpu_busy_seconds(), schedule_seconds=schedule_seconds,
+            graph_replayed=self.runner.replayed_graph))
 
     def _count(self, plan: SchedulerOutput) -> None:
         metrics = self.metrics

@@ -19,7 +19,8 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_aborted: int = 0
     output_tokens: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # executing plans
+    schedule_seconds: float = 0.0  # in the scheduler
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -37,9 +38,11 @@ class IterationRecord:
     predicted_seconds: float | None
     predicted_cpu_seconds: float | None  # calibrated estimate of the host attention
     profiled_cpu_seconds: float | None  # the profile's estimate before calibration
-    measured_seconds: float
+    measured_seconds: float  # executing the plan, until its tokens were on the host
     cpu_busy_seconds: float
     gpu_busy_seconds: float | None
+    schedule_seconds: float  # the scheduler's own time for this plan
+    graph_replayed: bool  # ran as a captured decode CUDA graph
 
 
 @dataclass

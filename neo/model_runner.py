@@ -26,7 +26,7 @@ class ModelRunner:
         self.executor = executor
         self.device = device
         self.decode_graphs = decode_graphs
-        self._replayed_graph = False
+        self.replayed_graph = False  # whether the last plan ran as a captured decode graph
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
 
@@ -45,9 +45,9 @@ class ModelRunner:
                 on_launched()
             return []
         graphs = self.decode_graphs
-        self._replayed_graph = (graphs is not None and len(batches) == 1 and not plan.swap_out
+        self.replayed_graph = (graphs is not None and len(batches) == 1 and not plan.swap_out
                                 and not plan.swap_in and graphs.can_run(batches[0]))
-        if self._replayed_graph:
+        if self.replayed_graph:
             logits = graphs.run(batches[0])
         else:
             logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
@@ -60,12 +60,12 @@ class ModelRunner:
 
     def gpu_busy_seconds(self) -> float | None:
         """GPU busy time of the last iteration, when it ran through the executor and measured."""
-        return None if self._replayed_graph else self.executor.gpu_busy_seconds()
+        return None if self.replayed_graph else self.executor.gpu_busy_seconds()
 
     def host_busy_seconds(self) -> float | None:
         """Host attention time of the last iteration when the executor measured it (host
         functions on a CUDA stream); None when the worker thread counts it."""
-        return None if self._replayed_graph else self.executor.host_busy_seconds()
+        return None if self.replayed_graph else self.executor.host_busy_seconds()
 
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = _block_pairs(plan.swap_out), _block_pairs(plan.swap_in)

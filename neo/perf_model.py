@@ -98,11 +98,19 @@ class PerfModel:
 
     def cpu_attention(self, num_requests: int, context_tokens: int) -> float:
         table = self.table
-        if num_requests == 0 or not table.cpu_attention_requests:
+        requests = table.cpu_attention_requests
+        if num_requests == 0 or not requests:
             return 0.0
-        per_row = [interpolate(tokens, seconds, context_tokens)
-                   for tokens, seconds in zip(table.cpu_attention_tokens, table.cpu_attention_seconds)]
-        return interpolate(table.cpu_attention_requests, per_row, num_requests)
+        # Only the two rows ``interpolate`` would use across the request counts are evaluated
+        # (the scheduler asks this several times per host request per iteration).
+        if len(requests) == 1:
+            rows = [0]
+        else:
+            index = min(max(bisect.bisect_left(requests, num_requests), 1), len(requests) - 1)
+            rows = [index - 1, index]
+        per_row = [interpolate(table.cpu_attention_tokens[row], table.cpu_attention_seconds[row], context_tokens)
+                   for row in rows]
+        return interpolate([requests[row] for row in rows], per_row, num_requests)
 
     def two_batch_time(self, linear0: float, gpu0: float, linear1: float, cpu0: float, cpu1: float,
                        pipeline_overhead: float | None = None) -> float:

@@ -20,6 +20,7 @@ COUNTER_HELP = {
     "requests_aborted": "Requests aborted (client gone, shutdown or a failed iteration).",
     "output_tokens": "Output tokens generated.",
     "busy_seconds": "Seconds spent executing iterations.",
+    "schedule_seconds": "Seconds spent scheduling iterations.",
 }
 
 
