@@ -125,7 +125,7 @@ class OffloadScheduler(Scheduler):
             host_requests = self._move_to_gpu(host_requests, batch0, output)
             if not host_requests:
                 self._admit_prefills(batch0, budget)
-        batch1 = self._place_host_decodes(batch0, host_requests)
+        batch1 = self._place_host_decodes(batch0, host_requests, swaps=bool(output.swap_in or output.swap_out))
         output.sub_batches = [batch for batch in (batch0, batch1) if batch]
         output.predicted_time, output.predicted_host_time = self._estimate(output)
         output.profiled_host_time = output.predicted_host_time / self.host_calibration.scale
@@ -213,9 +213,10 @@ class OffloadScheduler(Scheduler):
 
     # -- 4. host decodes -----------------------------------------------------------------------
 
-    def _place_host_decodes(self, batch0: SubBatch, host_requests: list[Request]) -> SubBatch:
+    def _place_host_decodes(self, batch0: SubBatch, host_requests: list[Request], swaps: bool) -> SubBatch:
         """Choose how many host requests decode (oldest first, round robin) and in which
-        sub-batch each goes, by estimated tokens per second."""
+        sub-batch each goes, by estimated tokens per second (``swaps``: the plan moves blocks
+        between the pools)."""
         batch1 = SubBatch()
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         if not self.full_offload:
@@ -231,7 +232,8 @@ class OffloadScheduler(Scheduler):
         work0 = self._gpu_work(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
-        best_rate = base_tokens / (self._sequential_time(batch0, work0) + EPSILON) if base_tokens else -1.0
+        best_rate = (base_tokens / (self._sequential_time(batch0, work0, swaps=swaps) + EPSILON)
+                     if base_tokens else -1.0)
         must_decode = (self.iterations_without_host_decode >= self.max_host_wait
                        and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
@@ -266,7 +268,12 @@ class OffloadScheduler(Scheduler):
         gpu_count = max(len(gpu_requests), int(pool_tokens // mean_length))
         gpu_context = max(sum(r.num_tokens for r in gpu_requests), int(gpu_count * mean_length))
         gpu_time = model.linear(gpu_count) + model.gpu_attention(gpu_context) if gpu_count else 0.0
-        gpu_rate = gpu_count / (gpu_time + model.iteration_overhead + EPSILON) if gpu_count else -1.0
+        # Alone, that batch replays a CUDA graph where the engine has one for it; beside host
+        # decodes it runs eagerly (``gpu_time``).
+        graph_time = (model.graph_decode(gpu_count, gpu_context) if gpu_count and self.config.use_cuda_graphs
+                      and mean_length <= self.config.cuda_graph_max_context else None)
+        alone_time = gpu_time + model.iteration_overhead if graph_time is None else graph_time
+        gpu_rate = gpu_count / (alone_time + EPSILON) if gpu_count else -1.0
         host_context = sum(r.num_tokens for r in host_requests)
 
         def rate(requests: int, context: int) -> float:
@@ -319,14 +326,29 @@ class OffloadScheduler(Scheduler):
     def _host_time(self, batch: SubBatch) -> float:
         return self._host_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
 
-    def _sequential_time(self, batch: SubBatch, work: _GpuWork | None = None, host: float | None = None) -> float:
+    def _sequential_time(self, batch: SubBatch, work: _GpuWork | None = None, host: float | None = None,
+                         swaps: bool = False) -> float:
         """One sub-batch: its host attention (if any) does not overlap GPU work. ``work`` and
-        ``host`` (its host attention seconds) when the caller has them already."""
+        ``host`` (its host attention seconds) when the caller has them already; ``swaps``:
+        the plan also moves blocks between the pools (no CUDA graph then)."""
         model = self.perf_model
+        graph = None if swaps else self._graph_time(batch)
+        if graph is not None:
+            return graph
         work = self._gpu_work(batch) if work is None else work
         host = self._host_time(batch) if host is None else host
         return (model.linear(work.linear_tokens + len(batch.cpu_decodes)) + work.attention_seconds + host
                 + model.iteration_overhead)
+
+    def _graph_time(self, batch: SubBatch) -> float | None:
+        """Seconds of a sub-batch of GPU decodes alone that the runner replays from a CUDA
+        graph (see ``DecodeGraphs.can_run``); None for any other sub-batch."""
+        if batch.prefills or batch.cpu_decodes or not batch.gpu_decodes or not self.config.use_cuda_graphs:
+            return None
+        widest = max(len(request.block_table) for request in batch.gpu_decodes)
+        if widest > -(-self.config.cuda_graph_max_context // self.block_manager.block_size):
+            return None
+        return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
 
     def _estimate(self, plan: SchedulerOutput) -> tuple[float, float]:
         """(estimated seconds of a plan, of which host attention)."""
@@ -339,5 +361,6 @@ class OffloadScheduler(Scheduler):
                                            work0.attention_seconds, model.linear(len(batch1.cpu_decodes)),
                                            host[0], host[1])
         else:
-            seconds = self._sequential_time(plan.sub_batches[0], host=host[0]) if plan.sub_batches else 0.0
+            swaps = bool(plan.swap_in or plan.swap_out)
+            seconds = self._sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
         return seconds, sum(host)

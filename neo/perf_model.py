@@ -10,6 +10,11 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
   across the rows.
 - ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
   (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration.
+- ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
+  requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
+  empty where the engine has no graphs). Longer contexts add their extra GPU attention time.
+  The stage tables are timed eagerly, and on a small model a decode iteration launched kernel
+  by kernel takes much longer than its replay.
 
 A two-sub-batch iteration (see ``executor.py``) overlaps per layer the GPU stages of one
 sub-batch with the host attention of the other, so ``two_batch_time`` is
@@ -57,6 +62,9 @@ class PerfTable:
     cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][points]
     pipeline_overhead: float = 0.0
     iteration_overhead: float = 0.0
+    graph_decode_requests: list[float] = field(default_factory=list)
+    graph_decode_seconds: list[float] = field(default_factory=list)
+    graph_decode_context: int = 0  # tokens per request in the graph_decode points
 
     def save(self, path: str) -> None:
         with open(path, "w") as file:
@@ -111,6 +119,16 @@ class PerfModel:
         per_row = [interpolate(table.cpu_attention_tokens[row], table.cpu_attention_seconds[row], context_tokens)
                    for row in rows]
         return interpolate([requests[row] for row in rows], per_row, num_requests)
+
+    def graph_decode(self, num_requests: int, context_tokens: int) -> float | None:
+        """Seconds of a decode-only iteration replayed from a CUDA graph; None when the table
+        has no such points or ``num_requests`` lies beyond them."""
+        requests = self.table.graph_decode_requests
+        if not requests or num_requests > requests[-1]:
+            return None
+        profiled_context = num_requests * self.table.graph_decode_context
+        extra_attention = max(0.0, self.gpu_attention(context_tokens) - self.gpu_attention(profiled_context))
+        return interpolate(requests, self.table.graph_decode_seconds, num_requests) + extra_attention
 
     def two_batch_time(self, linear0: float, gpu0: float, linear1: float, cpu0: float, cpu1: float,
                        pipeline_overhead: float | None = None) -> float:

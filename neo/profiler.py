@@ -11,7 +11,9 @@ blocks consecutive):
   real iterations of host decodes through the engine's executor (the host functions' own
   time), so the figure is what the engine's host work costs, hand-off included;
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
-  what the tables above predict for them (launches, hand-offs, copies, input preparation).
+  what the tables above predict for them (launches, hand-offs, copies, input preparation);
+- graph_decode: whole decode-only iterations of short requests through the engine's runner,
+  which replays its CUDA graphs for them (when the engine has graphs).
 
 The table is keyed by model shape, dtype, device, block size and host threads, and cached
 under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine.
@@ -38,7 +40,7 @@ from .scheduler_output import SchedulerOutput, SubBatch
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 4
+PROFILE_METHOD = 5
 
 
 def cache_directory() -> str:
@@ -133,8 +135,9 @@ class Profiler:
         prefill_points = _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0)
         request_points = [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1]
         cpu_context_points = _geometric(256, max(256, min(cpu_capacity, 1 << 21)), 4.0) if cpu_capacity >= 256 else []
+        graph_points = self._graph_decode_points()
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
-                 + len(request_points) * len(cpu_context_points) + 2)
+                 + len(request_points) * len(cpu_context_points) + 2 + len(graph_points))
         with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:
             for tokens in token_points:
                 table.linear_tokens.append(tokens)
@@ -164,6 +167,11 @@ class Profiler:
             progress.update(1)
             table.pipeline_overhead = self._pipeline_overhead(model)
             progress.update(1)
+            table.graph_decode_context = self._graph_decode_context()
+            for requests in graph_points:
+                table.graph_decode_requests.append(requests)
+                table.graph_decode_seconds.append(self._graph_decode(requests))
+                progress.update(1)
         return table
 
     # -- timing --------------------------------------------------------------------------------
@@ -318,6 +326,30 @@ class Profiler:
             for request in requests:
                 self.engine.block_manager.free(request)
         return max(0.0, measured - model.linear(1) - model.gpu_attention(256))
+
+    def _graph_decode_context(self) -> int:
+        return self.config.block_size  # one block per request
+
+    def _graph_decode_points(self) -> list[int]:
+        """Request counts of the graph-decode table: up to the largest captured batch, each
+        request in a block of its own; none without graphs."""
+        graphs = self.engine.runner.decode_graphs
+        if graphs is None:
+            return []
+        largest = min(graphs.sizes[-1], self.engine.layout.num_gpu_blocks)
+        return _geometric(1, largest, 4.0) if largest >= 1 else []
+
+    def _graph_decode(self, num_requests: int) -> float:
+        requests = self._requests(KVLocation.GPU, [self._graph_decode_context()] * num_requests)
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)])
+        try:
+            seconds = self._measure_plan(plan)
+            if not self.engine.runner.replayed_graph:
+                raise RuntimeError(f"the decode of {num_requests} requests did not replay a CUDA graph")
+            return seconds
+        finally:
+            for request in requests:
+                self.engine.block_manager.free(request)
 
     def _pipeline_overhead(self, model: PerfModel) -> float:
         if self.engine.layout.num_cpu_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:

@@ -233,6 +233,38 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
     assert bool(after) == admits_after_measuring
 
 
+@pytest.mark.parametrize("case", ["graph", "prefill", "swap", "no-graphs", "too-long"])
+def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
+    """A plan the runner replays from a CUDA graph (GPU decodes alone, no swaps, contexts within
+    the captured width) is estimated from the graph-decode table; any other from the stages."""
+    model = synthetic_model(1e-4, 1e-7, 1e-6)
+    model.table.graph_decode_requests, model.table.graph_decode_seconds = [1, 64], [2e-4, 2e-4]
+    model.table.graph_decode_context = 16
+    config = EngineConfig(policy="neo", block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
+                          use_cuda_graphs=case != "no-graphs", cuda_graph_max_context=32 if case == "too-long" else 8192)
+    scheduler = OffloadScheduler(config, BlockManager(64, 64, 16), model, num_layers=4)
+    first = requests_of(2, prompt_len=40, max_tokens=10)
+    for request in first:
+        scheduler.add(request)
+    scheduler.schedule()  # prefills
+    for request in first:
+        request.num_cached_tokens = request.num_tokens
+        request.append_token(5)
+    if case == "prefill":
+        scheduler.add(Request("late", [1] * 20, SamplingParams(max_tokens=2)))
+    if case == "swap":  # the newest request goes to the host pool and comes back this iteration
+        scheduler.block_manager.move(first[1], CPU)
+    plan = scheduler.schedule()
+    decodes = plan.sub_batches[0].gpu_decodes
+    assert len(plan.sub_batches) == 1 and len(decodes) == 2
+    graph = model.graph_decode(2, sum(r.num_tokens for r in decodes))
+    if case == "graph":
+        assert plan.predicted_time == pytest.approx(graph)
+    else:
+        assert plan.predicted_time > 2 * graph
+        assert bool(plan.swap_in) == (case == "swap")
+
+
 def test_full_offload_decodes_every_host_request_every_iteration():
     scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=400,
                                perf_model=synthetic_model(1e-5, 1e-8, 1e-6))

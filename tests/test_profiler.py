@@ -28,6 +28,17 @@ def test_cpu_attention_is_bilinear():
     assert model.cpu_attention(0, 200) == 0.0
 
 
+def test_graph_decode_adds_the_extra_attention_of_longer_contexts():
+    table = PerfTable(gpu_attention_tokens=[100, 1100], gpu_attention_seconds=[1.0, 2.0],
+                      graph_decode_requests=[1, 9], graph_decode_seconds=[5.0, 9.0], graph_decode_context=50)
+    model = PerfModel(table)
+    assert model.graph_decode(5, 250) == pytest.approx(7.0)  # the profiled context: the table alone
+    assert model.graph_decode(5, 850) == pytest.approx(7.6)  # + attention(850) - attention(250)
+    assert model.graph_decode(5, 100) == pytest.approx(7.0)  # shorter contexts cost no less
+    assert model.graph_decode(10, 500) is None  # beyond the largest captured batch
+    assert PerfModel(PerfTable()).graph_decode(1, 1) is None
+
+
 def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "perf.json"
@@ -42,6 +53,7 @@ def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
         assert seconds and all(value > 0 for value in seconds), name
     assert all(value > 0 for row in table["cpu_attention_seconds"] for value in row)
     assert table["linear_seconds"][-1] > table["linear_seconds"][0]  # 256 tokens cost more than 1
+    assert table["graph_decode_requests"] == []  # no CUDA graphs on the CPU
     engine = LLMEngine(EngineConfig(policy="neo", perf_model=str(path), **SMALL))
     try:
         model = engine.scheduler.perf_model
