@@ -80,8 +80,14 @@ def load_perf_model(config: EngineConfig, engine) -> PerfModel:
         return PerfModel(table)
     path = default_table_path(engine)
     if os.path.exists(path):
-        return PerfModel(PerfTable.load(path))
-    logger.warning("no perf model for this machine yet: profiling (once; cached in %s)", path)
+        cached = PerfTable.load(path)
+        missing = Profiler(engine).uncovered(cached)
+        if not missing:
+            return PerfModel(cached)
+        logger.warning("the cached perf model %s does not reach this engine's %s: profiling again",
+                       path, ", ".join(missing))
+    else:
+        logger.warning("no perf model for this machine yet: profiling (once; cached in %s)", path)
     table = Profiler(engine).run()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     table.save(path)
@@ -125,17 +131,45 @@ class Profiler:
         self.model_config = engine.model_config
         self.rng = random.Random(0)
 
-    def run(self) -> PerfTable:
-        table = PerfTable(key=table_key(self.engine))
+    def _points(self) -> dict[str, list[int]]:
+        """The points each table is measured at, from this engine's limits and pools."""
         max_tokens = self.config.max_num_batched_tokens
-        token_points = _geometric(1, max_tokens)
         gpu_capacity = self.engine.layout.num_gpu_blocks * self.config.block_size
         cpu_capacity = self.engine.layout.num_cpu_blocks * self.config.block_size
-        gpu_context_points = _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else []
-        prefill_points = _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0)
-        request_points = [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1]
-        cpu_context_points = _geometric(256, max(256, min(cpu_capacity, 1 << 21)), 4.0) if cpu_capacity >= 256 else []
-        graph_points = self._graph_decode_points()
+        return {
+            "batched tokens": _geometric(1, max_tokens),
+            "GPU context": _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else [],
+            "prompt length": _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0),
+            "host requests": [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1],
+            "host context": _geometric(256, max(256, min(cpu_capacity, 1 << 21)), 4.0) if cpu_capacity >= 256 else [],
+            "graph batch": self._graph_decode_points(),
+        }
+
+    def uncovered(self, table: PerfTable) -> list[str]:
+        """What this engine would measure beyond the largest point of ``table`` (a table
+        profiled for smaller limits or pools extrapolates there)."""
+        points = self._points()
+        wanted = {name: max(values, default=0) for name, values in points.items()}
+        if points["host context"]:  # what is measured there: equal lengths within the limits
+            wanted["host context"] = max(sum(self._host_lengths(requests, wanted["host context"]))
+                                         for requests in points["host requests"])
+        reached = {
+            "batched tokens": max(table.linear_tokens, default=0),
+            "GPU context": max(table.gpu_attention_tokens, default=0),
+            "prompt length": max(table.prefill_lengths, default=0),
+            "host requests": max(table.cpu_attention_requests, default=0),
+            "host context": max((max(row) for row in table.cpu_attention_tokens if row), default=0),
+            "graph batch": max(table.graph_decode_requests, default=0),
+        }
+        return [f"{name} (up to {wanted[name]}, profiled up to {int(reached[name])})"
+                for name in points if wanted[name] > reached[name]]
+
+    def run(self) -> PerfTable:
+        table = PerfTable(key=table_key(self.engine))
+        points = self._points()
+        token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
+        prefill_points, request_points = points["prompt length"], points["host requests"]
+        cpu_context_points, graph_points = points["host context"], points["graph batch"]
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
                  + len(request_points) * len(cpu_context_points) + 2 + len(graph_points))
         with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:

@@ -72,3 +72,20 @@ def test_auto_profiles_once_and_caches(tmp_path, monkeypatch):
     second = LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL))
     second.close()
     assert cached[0].stat().st_mtime_ns == stamp, "the second engine profiled again"
+
+
+def test_cached_table_is_profiled_again_only_for_an_engine_it_does_not_cover(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+
+    def profile_stamp(max_num_seqs: int) -> tuple[int, list]:
+        engine = LLMEngine(EngineConfig(policy="neo", perf_model="auto", **{**SMALL, "max_num_seqs": max_num_seqs}))
+        engine.close()
+        (path,) = (tmp_path / "perf").glob("*.json")
+        return path.stat().st_mtime_ns, PerfTable.load(str(path)).cpu_attention_requests
+
+    first, requests = profile_stamp(8)
+    assert requests == [1, 8]
+    second, requests = profile_stamp(64)  # 32 host requests are beyond the cached table
+    assert second != first and requests == [1, 8, 32]
+    third, requests = profile_stamp(8)  # the larger table covers the smaller engine
+    assert third == second and requests == [1, 8, 32]
