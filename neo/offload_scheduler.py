@@ -50,6 +50,9 @@ from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU
 EPSILON = 1e-9  # seconds: keeps rates finite under a zero perf model
+# Whether host decodes pay is judged again when what it depends on changes (request counts,
+# the waiting head, the host correction), and at least this often as contexts grow.
+ECONOMICS_REFRESH_ITERATIONS = 16
 
 
 @dataclass
@@ -109,6 +112,8 @@ class OffloadScheduler(Scheduler):
         # them would raise the estimated throughput (new requests go to the host pool only then).
         self.host_decodes_pay = self.full_offload
         self.host_admission_open = self.full_offload
+        self._economics_seen: tuple | None = None  # what the last judgement was made on
+        self._economics_iteration = 0
 
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
@@ -221,10 +226,10 @@ class OffloadScheduler(Scheduler):
         ordered = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)
         if not self.full_offload:
             if ordered or self.waiting:
-                self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(
-                    [r for r in self.running if r.location is GPU], ordered)
+                self._judge_host_decodes(ordered)
             else:  # nothing to decide until requests wait or live on the host: gpu-only rules
                 self.host_decodes_pay = self.host_admission_open = False
+                self._economics_seen = None
         if not ordered:
             self.iterations_without_host_decode = 0
             return batch1
@@ -248,6 +253,19 @@ class OffloadScheduler(Scheduler):
         batch1.cpu_decodes.extend(r for r in placement.batch1 if id(r) in chosen)
         self.iterations_without_host_decode = 0 if best_count else self.iterations_without_host_decode + 1
         return batch1
+
+    def _judge_host_decodes(self, host_requests: list[Request]) -> None:
+        """Update ``host_decodes_pay`` and ``host_admission_open`` (see
+        ``_host_decode_economics``) when their inputs changed or
+        ``ECONOMICS_REFRESH_ITERATIONS`` passed: judging costs tens of estimates, more than
+        the rest of a plan."""
+        gpu_requests = [r for r in self.running if r.location is GPU]
+        seen = (len(gpu_requests), len(host_requests), self.waiting[0].num_tokens if self.waiting else 0,
+                self.host_calibration.scale)
+        if seen == self._economics_seen and self.iteration - self._economics_iteration < ECONOMICS_REFRESH_ITERATIONS:
+            return
+        self._economics_seen, self._economics_iteration = seen, self.iteration
+        self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(gpu_requests, host_requests)
 
     def _never_fits_gpu(self, request: Request) -> bool:
         return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)
