@@ -233,14 +233,18 @@ class OffloadScheduler(Scheduler):
         if not ordered:
             self.iterations_without_host_decode = 0
             return batch1
+        must_decode = (self.iterations_without_host_decode >= self.max_host_wait
+                       and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
+        if not (self.full_offload or self.host_decodes_pay or must_decode or batch0.prefills or not batch0):
+            # A decode iteration of the kind just judged not to pay host decodes: GPU alone.
+            self.iterations_without_host_decode += 1
+            return batch1
         placement = _Placement()
         work0 = self._gpu_work(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
         best_rate = (base_tokens / (self._sequential_time(batch0, work0, swaps=swaps) + EPSILON)
                      if base_tokens else -1.0)
-        must_decode = (self.iterations_without_host_decode >= self.max_host_wait
-                       and (self.host_decodes_pay or any(map(self._never_fits_gpu, ordered))))
         for count, request in enumerate(ordered, start=1):
             self._place(work0, placement, request)
             rate = (base_tokens + count) / (self._two_batch_time(work0, *placement.sizes()) + EPSILON)
