@@ -9,7 +9,10 @@ Scenarios (dummy weights, bf16; see ``SCENARIOS``):
 - ``32b-threads``: the 32B memory-poor setting with 4, 8 and 15 host attention threads.
 
 Each run submits all requests at once and reports the steady throughput (``neo.bench``); runs
-can be capped in time (``--duration``) so that a sweep fits a session. From the per-iteration
+can be capped in time (``--duration``) so that a sweep fits a session. The offloading policies
+prefill every request that fits either pool up front, so a cap not much longer than that burst
+measures mostly the burst (32B 1000/300: about 32 s for 300 requests; run 200 requests for
+120 s to see the steady state). From the per-iteration
 trace of the offloading policies it also reports the scheduler's accuracy (median
 |predicted - measured| / measured iteration time), the median ratio of measured to profiled
 host attention time (decode-only iterations: a check of the profiled table, which the
