@@ -35,6 +35,7 @@ class ModelRunner:
         """Run the plan; returns the sampled token of each request in ``plan.requests`` order.
         ``on_launched`` is called once the device work (sampling included) is queued, before
         waiting for the tokens."""
+        self.replayed_graph = False
         batches = [build_batch_inputs(batch, self.block_size, self.device)
                    for batch in plan.sub_batches if batch]
         requests = [request for inputs in batches for request in inputs.requests]

@@ -8,9 +8,10 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    their blocks back and wait to be prefilled again.
 2. Waiting requests are prefilled (on the GPU; a host-bound prompt's KV is copied out layer by
    layer) within the token budget, into the GPU pool if it has room, else the host pool, but
-   under ``neo`` only while more host decodes would raise the estimated tokens per second (the
-   previous iteration's step 4 probes that): where offloading does not pay, requests wait for
-   GPU room as under gpu-only.
+   under ``neo`` only while more host decodes would raise the estimated tokens per second
+   (step 4 of an earlier iteration judges that, again whenever request counts, the waiting
+   head or the host correction change): where offloading does not pay, requests wait for GPU
+   room as under gpu-only.
 3. While the GPU pool has room, host requests move back to it, oldest first.
 4. Host decodes are placed into the two sub-batches::
 
@@ -30,7 +31,9 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    decodes do not pay, they move back to the GPU pool before any new request is admitted (as
    gpu-only swaps in); while host decodes pay (on a steady decode iteration, see
    ``_host_decode_economics``), or for a request that could never fit the GPU pool, no host
-   request waits more than ``max_host_wait`` iterations for a decode.
+   request waits more than ``max_host_wait`` iterations for a decode. While host decodes are
+   judged not to pay and none is due, an iteration without prefills runs the GPU alone without
+   placing any (prefills can hide a few host decodes, so iterations with them still place).
    ``full-offload`` has no GPU pool: every request decodes on the host, every iteration, split
    between the sub-batches to balance them.
 

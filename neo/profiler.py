@@ -16,7 +16,8 @@ blocks consecutive):
   which replays its CUDA graphs for them (when the engine has graphs).
 
 The table is keyed by model shape, dtype, device, block size and host threads, and cached
-under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine.
+under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine
+(and again for an engine whose limits or pools reach beyond the cached table's points).
 """
 
 import hashlib
