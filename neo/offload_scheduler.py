@@ -249,8 +249,7 @@ class OffloadScheduler(Scheduler):
         best_rate = (base_tokens / (self._sequential_time(batch0, work0, swaps=swaps) + EPSILON)
                      if base_tokens else -1.0)
         for count, request in enumerate(ordered, start=1):
-            self._place(work0, placement, request)
-            rate = (base_tokens + count) / (self._two_batch_time(work0, *placement.sizes()) + EPSILON)
+            rate = (base_tokens + count) / (self._place(work0, placement, request) + EPSILON)
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
         if self.full_offload:
@@ -317,9 +316,10 @@ class OffloadScheduler(Scheduler):
         best_more = max(more, default=-1.0)
         return max(current, best_more) > gpu_rate, best_more > max(current, gpu_rate)
 
-    def _place(self, work0: _GpuWork, placement: _Placement, request: Request) -> None:
+    def _place(self, work0: _GpuWork, placement: _Placement, request: Request) -> float:
         """Put one more host decode in the sub-batch where the estimated iteration time grows
-        least (ties, e.g. with a zero perf model, keep about a third of them in batch 0)."""
+        least (ties, e.g. with a zero perf model, keep about a third of them in batch 0).
+        Returns the estimated iteration time with it."""
         best = None
         for side in (1, 0):
             sizes = placement.sizes(add_to=side, tokens=request.num_tokens)
@@ -327,6 +327,7 @@ class OffloadScheduler(Scheduler):
             candidate = (self._two_batch_time(work0, *sizes), balance, side)
             best = candidate if best is None or candidate < best else best
         placement.add(best[2], request)
+        return best[0]
 
     # -- estimates (whole-model seconds) -------------------------------------------------------
 
