@@ -56,8 +56,11 @@ SCENARIOS = {
 
 def trace_statistics(records: list[dict]) -> dict:
     """Scheduler accuracy and overlap from an engine's per-iteration trace."""
-    timed = [r for r in records if r["predicted_seconds"] and r["measured_seconds"] > 0]
-    errors = [abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"] for r in timed]
+    def prediction_errors(selected: list[dict]) -> list[float]:
+        return [abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"]
+                for r in selected if r["predicted_seconds"] and r["measured_seconds"] > 0]
+
+    errors = prediction_errors(records)
     two = [r for r in records if r["num_sub_batches"] == 2 and r["gpu_busy_seconds"] is not None]
     one = [r for r in records if r["num_sub_batches"] == 1 and r["gpu_busy_seconds"] is not None]
 
@@ -78,6 +81,7 @@ def trace_statistics(records: list[dict]) -> dict:
                    and not r["cpu_decodes"]]
     graphed = [r for r in decode_only if r["graph_replayed"]]
     eager = [r for r in decode_only if not r["graph_replayed"]]
+    graph_errors = prediction_errors(graphed)
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
@@ -94,9 +98,7 @@ def trace_statistics(records: list[dict]) -> dict:
         "median_graph_decode_batch": median_of(graphed, "gpu_decodes"),
         "eager_decode_iterations": len(eager),
         "median_eager_decode_s": median_of(eager, "measured_seconds"),
-        "median_graph_decode_relative_error": statistics.median(
-            abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"]
-            for r in graphed if r["predicted_seconds"]) if any(r["predicted_seconds"] for r in graphed) else None,
+        "median_graph_decode_relative_error": statistics.median(graph_errors) if graph_errors else None,
     }
 
 

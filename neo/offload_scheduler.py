@@ -340,10 +340,15 @@ class OffloadScheduler(Scheduler):
 
     def _two_batch_time(self, work0: _GpuWork, requests0: int, context0: int,
                         requests1: int, context1: int) -> float:
+        return self._two_batch_seconds(work0, requests0, requests1, self._host_attention(requests0, context0),
+                                       self._host_attention(requests1, context1))
+
+    def _two_batch_seconds(self, work0: _GpuWork, requests0: int, requests1: int, host0: float,
+                           host1: float) -> float:
+        """A two-sub-batch iteration with that many host decodes and host seconds per side."""
         model = self.perf_model
         return model.two_batch_time(model.linear(work0.linear_tokens + requests0), work0.attention_seconds,
-                                    model.linear(requests1), self._host_attention(requests0, context0),
-                                    self._host_attention(requests1, context1))
+                                    model.linear(requests1), host0, host1)
 
     def _host_attention(self, num_requests: int, context_tokens: int) -> float:
         """Host attention seconds of that many decodes: the profile's, corrected."""
@@ -381,11 +386,8 @@ class OffloadScheduler(Scheduler):
         host = [self._host_time(batch) for batch in plan.sub_batches]
         if len(plan.sub_batches) == 2:
             batch0, batch1 = plan.sub_batches
-            model = self.perf_model
-            work0 = self._gpu_work(batch0)
-            seconds = model.two_batch_time(model.linear(work0.linear_tokens + len(batch0.cpu_decodes)),
-                                           work0.attention_seconds, model.linear(len(batch1.cpu_decodes)),
-                                           host[0], host[1])
+            seconds = self._two_batch_seconds(self._gpu_work(batch0), len(batch0.cpu_decodes),
+                                              len(batch1.cpu_decodes), host[0], host[1])
         else:
             swaps = bool(plan.swap_in or plan.swap_out)
             seconds = self._sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0

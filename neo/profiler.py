@@ -80,16 +80,17 @@ def load_perf_model(config: EngineConfig, engine) -> PerfModel:
                            config.perf_model, table.key, table_key(engine))
         return PerfModel(table)
     path = default_table_path(engine)
+    profiler = Profiler(engine)
     if os.path.exists(path):
         cached = PerfTable.load(path)
-        missing = Profiler(engine).uncovered(cached)
+        missing = profiler.uncovered(cached)
         if not missing:
             return PerfModel(cached)
         logger.warning("the cached perf model %s does not reach this engine's %s: profiling again",
                        path, ", ".join(missing))
     else:
         logger.warning("no perf model for this machine yet: profiling (once; cached in %s)", path)
-    table = Profiler(engine).run()
+    table = profiler.run()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     table.save(path)
     return PerfModel(table)
