@@ -5,8 +5,8 @@
 // the sequences. Each sequence is cut into near-equal chunks of at least kMinChunkTokens tokens,
 // sized so that every thread gets about kChunksPerThread chunks; threads then take chunks
 // longest first from a shared counter, which balances uneven lengths and threads that start
-// late. A sequence cut into several chunks gets one partial result per chunk, merged afterwards
-// with log-sum-exp.
+// late. A sequence cut into several chunks gets one partial result per chunk, merged with
+// log-sum-exp by the thread that finishes its last chunk.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +15,14 @@
 namespace neo_cpu {
 
 constexpr int64_t kChunksPerThread = 4;
-// Long enough that the merge and the per-chunk set-up are small next to streaming the chunk.
-constexpr int64_t kMinChunkTokens = 256;
-// Chunk boundaries fall on multiples of this many tokens: a multiple of every tile size the
-// kernel uses, so chunks start on whole tiles.
-constexpr int64_t kChunkAlignTokens = 128;
+// Short enough that the small calls of a small host batch (one sequence of a few hundred tokens
+// per layer) spread over several threads, long enough (256 KiB of K/V at 8 KV heads of 128
+// 16-bit dims) that a chunk's set-up and merge stay small next to streaming it.
+constexpr int64_t kMinChunkTokens = 64;
+// Chunk boundaries fall on multiples of this many tokens. The kernel's tiles are whole blocks,
+// from block_size up to 128 tokens (32 for 8 KV heads of 128 16-bit dims in blocks of 16), so
+// most chunks start on a tile; one that starts inside a tile runs a partial tile first.
+constexpr int64_t kChunkAlignTokens = 64;
 
 struct AttentionChunk {
     int64_t sequence;

@@ -1,6 +1,7 @@
 // C++ driver of the ISPC paged decode-attention kernel: checks the arguments, splits the work
 // into chunks (attention_plan.h), runs the chunks on at::parallel_for's threads, and merges the
-// partial results of sequences that were split across chunks.
+// partial results of a sequence that was split across chunks on the thread that finishes its
+// last chunk (one parallel region per call).
 
 #include "decode_attention_ispc.h"
 
@@ -12,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <memory>
 #include <vector>
 
 namespace neo_cpu {
@@ -121,6 +123,17 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
                                 chunk.token_end};
     };
     std::atomic<int64_t> next_chunk{0};
+    // Per split sequence, its chunks still running; the thread that ends the last one merges.
+    const int64_t num_split = static_cast<int64_t>(plan.split_sequences.size());
+    std::vector<int64_t> split_of_partial(plan.num_partials);
+    auto chunks_left = std::make_unique<std::atomic<int32_t>[]>(num_split);
+    for (int64_t index = 0; index < num_split; index++) {
+        const SplitSequence& split = plan.split_sequences[index];
+        for (int32_t piece = 0; piece < split.count; piece++) {
+            split_of_partial[split.first_partial + piece] = index;
+        }
+        chunks_left[index].store(split.count, std::memory_order_relaxed);
+    }
 
     // Each thread takes chunks from the shared counter, one ahead of the one it works on, so
     // that the kernel can prefetch the start of its next chunk.
@@ -145,18 +158,17 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
             if (chunk.partial_index < 0) {
                 kernels.merge_partials(partial, 1, num_heads, head_dim,
                                        outputs + chunk.sequence * query_floats);
+            } else {
+                const int64_t split_index = split_of_partial[chunk.partial_index];
+                // acq_rel: the merging thread sees every other chunk's partial of the sequence.
+                if (chunks_left[split_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                    const SplitSequence& split = plan.split_sequences[split_index];
+                    kernels.merge_partials(partials.data() + split.first_partial * partial_floats,
+                                           split.count, num_heads, head_dim,
+                                           outputs + split.sequence * query_floats);
+                }
             }
             index = following;
-        }
-    });
-
-    const int64_t num_split = static_cast<int64_t>(plan.split_sequences.size());
-    at::parallel_for(0, num_split, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t index = begin; index < end; index++) {
-            const SplitSequence& split = plan.split_sequences[index];
-            kernels.merge_partials(partials.data() + split.first_partial * partial_floats,
-                                   split.count, num_heads, head_dim,
-                                   outputs + split.sequence * query_floats);
         }
     });
 }
