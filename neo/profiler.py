@@ -15,7 +15,8 @@ blocks consecutive):
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
-The table is keyed by model shape, dtype, device, block size and host threads, and cached
+The table is keyed by model shape, dtype, device, block size, host threads and the compiled
+kernels' builds (a digest of each extension file: rebuilt kernels are profiled again), and cached
 under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine
 (and again for an engine whose limits or pools reach beyond the cached table's points).
 """
@@ -30,6 +31,8 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from neo.ops import build_fingerprints
 
 from .attention_metadata import AttentionMetadata
 from .config import EngineConfig
@@ -61,6 +64,7 @@ def table_key(engine) -> dict:
         "block_size": engine.config.block_size,
         "cpu_threads": engine.worker.num_threads if engine.worker else 0,
         "method": PROFILE_METHOD,
+        "kernels": build_fingerprints(),
     }
 
 

@@ -6,8 +6,8 @@ numba kernel on the CPU when ISPC was not. ``python -m neo.ops`` lists what is a
 """
 
 from . import library, registry
-from .registry import Implementation, dispatched, implementations
+from .registry import Implementation, build_fingerprints, dispatched, implementations
 from .schemas import OP_NAMES, SCHEMAS
 
-__all__ = ["OP_NAMES", "SCHEMAS", "Implementation", "dispatched", "implementations", "library",
-           "registry"]
+__all__ = ["OP_NAMES", "SCHEMAS", "Implementation", "build_fingerprints", "dispatched", "implementations",
+           "library", "registry"]

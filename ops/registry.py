@@ -13,6 +13,7 @@ benchmarks take their lists from ``implementations()``, so a missing build shows
 unavailable entry with its reason, never as silence.
 """
 
+import hashlib
 import importlib
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class Implementation:
 
 _implementations: dict[str, list[Implementation]] = {op: [] for op in OP_NAMES}
 _dispatch: dict[tuple[str, str], str] = {}
+_loaded_files: dict[str, str] = {}  # compiled implementation name -> its extension's file
 
 
 def _add(name: str, op: str, devices: tuple[str, ...], available: bool, note: str = "") -> None:
@@ -61,12 +63,13 @@ def _has_kernel(qualified_name: str, dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, dispatch_key)
 
 
-def _load_extension(module: str) -> tuple[bool, str]:
+def _load_extension(module: str) -> tuple[bool, str, str]:
+    """(loaded, why not, the extension's file)."""
     try:
-        importlib.import_module(module)
+        extension = importlib.import_module(module)
     except ImportError as error:
-        return False, f"not built ({error})"
-    return True, ""
+        return False, f"not built ({error})", ""
+    return True, "", extension.__file__
 
 
 def _register_reference() -> None:
@@ -82,9 +85,10 @@ def _register_reference() -> None:
 
 def _register_compiled(name: str, module: str, ops, dispatch_key: str, device: str) -> bool:
     """Declare ``neo_<name>`` and check that the extension registered its kernels there."""
-    loaded, reason = _load_extension(module)
+    loaded, reason, path = _load_extension(module)
     if loaded:
         library.declare(f"neo_{name}", ops)
+        _loaded_files[name] = path
     for op in ops:
         ok = loaded and _has_kernel(f"neo_{name}::{op}", dispatch_key)
         if loaded and not ok:
@@ -128,6 +132,16 @@ def implementations(op: str, device: str | None = None,
         raise KeyError(f"unknown neo op {op!r}; known ops: {', '.join(OP_NAMES)}")
     return [impl for impl in _implementations[op]
             if (device is None or device in impl.devices) and (impl.available or not available_only)]
+
+
+def build_fingerprints() -> dict[str, str]:
+    """A digest of each loaded compiled extension's file, by implementation name ('cuda',
+    'ispc'): anything measured with these kernels (a perf profile) is stale once they change."""
+    fingerprints = {}
+    for name, path in sorted(_loaded_files.items()):
+        with open(path, "rb") as file:
+            fingerprints[name] = hashlib.file_digest(file, "sha256").hexdigest()[:16]
+    return fingerprints
 
 
 def dispatched(op: str, device: str) -> str:

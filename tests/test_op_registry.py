@@ -103,3 +103,18 @@ def test_device_filter_and_unknown_op():
                 assert implementation.available and device in implementation.devices
     with pytest.raises(KeyError, match="unknown neo op"):
         neo.ops.implementations("no_such_op")
+
+
+def test_build_fingerprints_name_each_loaded_extension_by_its_file():
+    import hashlib
+    import importlib
+
+    fingerprints = neo.ops.build_fingerprints()
+    modules = {"cuda": "neo.ops._cuda_kernels", "ispc": "neo.ops._cpu_kernels"}
+    for name, module in modules.items():
+        built = any(available(op, name) for op in neo.ops.OP_NAMES)
+        assert (name in fingerprints) == built, name
+        if built:
+            with open(importlib.import_module(module).__file__, "rb") as file:
+                assert fingerprints[name] == hashlib.sha256(file.read()).hexdigest()[:16]
+    assert set(fingerprints) <= set(modules)

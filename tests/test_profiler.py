@@ -89,3 +89,18 @@ def test_cached_table_is_profiled_again_only_for_an_engine_it_does_not_cover(tmp
     assert second != first and requests == [1, 8, 32]
     third, requests = profile_stamp(8)  # the larger table covers the smaller engine
     assert third == second and requests == [1, 8, 32]
+
+
+def test_a_rebuilt_kernel_is_profiled_again(tmp_path, monkeypatch):
+    """The table key holds the compiled kernels' fingerprints: a table measured with other
+    builds is not reused."""
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("neo.profiler.build_fingerprints", lambda: {"ispc": "0123456789abcdef"})
+    LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL)).close()
+    (first,) = (tmp_path / "perf").glob("*.json")
+    assert PerfTable.load(str(first)).key["kernels"] == {"ispc": "0123456789abcdef"}
+    monkeypatch.setattr("neo.profiler.build_fingerprints", lambda: {"ispc": "fedcba9876543210"})
+    LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL)).close()
+    tables = sorted((tmp_path / "perf").glob("*.json"))
+    assert len(tables) == 2 and {PerfTable.load(str(path)).key["kernels"]["ispc"] for path in tables} == {
+        "0123456789abcdef", "fedcba9876543210"}
