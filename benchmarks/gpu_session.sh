@@ -12,7 +12,8 @@
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
 #   engine-tests the engine on CUDA: float32 tokens vs CPU and transformers, bf16 logits
 #   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
-#   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes)
+#   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes;
+#                HANDOFF_MODELS, HANDOFF_ARGS)
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
@@ -115,9 +116,11 @@ stage_engine() {
   done
 }
 
-stage_handoff() {
-  for model in llama-3.1-8b qwen2.5-32b; do
-    run "handoff-$model" python3 benchmarks/host_handoff.py --model "$model" --json "$out/files/handoff-$model.json"
+stage_handoff() {  # HANDOFF_MODELS (default both), HANDOFF_ARGS (e.g. --batches 1x256,8x768)
+  local model
+  for model in ${HANDOFF_MODELS:-llama-3.1-8b qwen2.5-32b}; do
+    run "handoff-$model" python3 benchmarks/host_handoff.py --model "$model" ${HANDOFF_ARGS:-} \
+      --json "$out/files/handoff-$model-$(date +%H%M%S).json" --trace-dir "$out/files/traces"
   done
 }
 

@@ -9,17 +9,27 @@ model, pools and host functions):
 - ``engine``: the same host work as a plan through the executor: one sub-batch of host
   decodes, per layer the host function's time between events on the copy stream;
 - ``pipelined``: the requests split over two sub-batches beside one GPU decode (the two-sub-
-  batch pipeline), host time per layer and sub-batch, and the iteration's wall time.
+  batch pipeline), host time per layer and sub-batch, the iteration's wall time and the time
+  the launching thread took to queue it (until ``execute``'s ``on_launched``);
+- ``gpu pair``: the same two sub-batch sizes as GPU decodes of one block each (the pipeline's
+  GPU work and launches with no host work), wall and launch time.
 
 The ratio engine / alone is what the hand-off (CUDA host functions, thread wake-ups,
-contention with the launching thread) adds to the kernels. CUDA only.
+contention with the launching thread) adds to the kernels; pipelined minus gpu pair is what
+the host work adds to a two-sub-batch iteration; a launch time near the wall time means the
+launching thread, not the GPU, set the pace. CUDA only.
 
     python benchmarks/host_handoff.py --model qwen2.5-32b [--batches 1x256,8x256,16x1024] [--json out.json]
+        [--trace-dir DIR]  # a torch.profiler trace (Chrome JSON, gzipped) of one pipelined iteration per batch
 """
 
 import argparse
+import gzip
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -64,31 +74,56 @@ def time_alone(engine: LLMEngine, requests, repeats: int) -> float:
         torch.set_num_threads(threads)
 
 
-def time_plan(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, float]:
-    """(host seconds, wall seconds) of one iteration of ``plan``, medians after a warm-up."""
-    host, wall = [], []
+def time_plan(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, float, float]:
+    """(host seconds, wall seconds, launch seconds) of one iteration of ``plan``, medians after
+    a warm-up."""
+    host, wall, launch = [], [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        engine.runner.execute(plan)
+        launched = []
+        engine.runner.execute(plan, on_launched=lambda: launched.append(time.perf_counter()))
         wall.append(time.perf_counter() - start)
+        launch.append(launched[0] - start)
         host.append(engine.runner.host_busy_seconds())
-    return statistics.median(host[1:]), statistics.median(wall[1:])
+    return statistics.median(host[1:]), statistics.median(wall[1:]), statistics.median(launch[1:])
 
 
-def measure(engine: LLMEngine, count: int, length: int, repeats: int) -> dict:
+def write_trace(engine: LLMEngine, plan: SchedulerOutput, path: str) -> None:
+    """One iteration of ``plan`` under torch.profiler (launches on the host, kernels, copies),
+    as a gzipped Chrome trace."""
+    engine.runner.execute(plan)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+        engine.runner.execute(plan)
+    with tempfile.TemporaryDirectory() as directory:
+        raw = os.path.join(directory, "trace.json")
+        profile.export_chrome_trace(raw)
+        with open(raw, "rb") as source, gzip.open(path, "wb") as destination:
+            shutil.copyfileobj(source, destination)
+
+
+def measure(engine: LLMEngine, count: int, length: int, repeats: int, trace_path: str | None = None) -> dict:
     profiler = Profiler(engine)
     layers = engine.model_config.num_layers
     host = profiler._requests(KVLocation.CPU, [length] * count)
     gpu = profiler._requests(KVLocation.GPU, [length])
+    half = max(1, count // 2)
+    second = max(1, count - half)
+    pair = profiler._requests(KVLocation.GPU, [engine.config.block_size] * (half + second))
     try:
         alone = time_alone(engine, host, repeats)
-        engine_host, engine_wall = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=host)]), repeats)
-        half = max(1, count // 2)
+        engine_host, engine_wall, _ = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=host)]),
+                                                repeats)
         pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:half]),
                                                  SubBatch(cpu_decodes=host[half:] or host[:1])])
-        pipelined_host, pipelined_wall = time_plan(engine, pipelined, repeats)
+        pipelined_host, pipelined_wall, pipelined_launch = time_plan(engine, pipelined, repeats)
+        if trace_path is not None:
+            write_trace(engine, pipelined, trace_path)
+        gpu_pair = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu + pair[:half]),
+                                                SubBatch(gpu_decodes=pair[half:])])
+        _, pair_wall, pair_launch = time_plan(engine, gpu_pair, repeats)
     finally:
-        for request in host + gpu:
+        for request in host + gpu + pair:
             engine.block_manager.free(request)
     return {
         "requests": count, "tokens_per_request": length,
@@ -98,6 +133,9 @@ def measure(engine: LLMEngine, count: int, length: int, repeats: int) -> dict:
         "engine_iteration_ms": engine_wall * 1e3,
         "pipelined_us_per_layer_and_sub_batch": pipelined_host / (2 * layers) * 1e6,
         "pipelined_iteration_ms": pipelined_wall * 1e3,
+        "pipelined_launch_ms": pipelined_launch * 1e3,
+        "gpu_pair_iteration_ms": pair_wall * 1e3,
+        "gpu_pair_launch_ms": pair_launch * 1e3,
     }
 
 
@@ -107,13 +145,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1x256,8x256,16x1024", help="host batches as REQUESTSxTOKENS")
     parser.add_argument("--cpu-kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-attention-threads", type=int, default=None, help="default: all cores but one")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace-dir", default=None, help="write a profiler trace of one pipelined iteration per batch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_handoff.py measures CUDA host functions: it needs a CUDA device")
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", policy="neo",
                                     gpu_kv_cache_gib=1.0, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
-                                    perf_model="zero", max_model_len=4096))
+                                    perf_model="zero", max_model_len=4096,
+                                    cpu_attention_threads=args.cpu_attention_threads))
     if not engine.runner.executor.stream_ordered_host_work:
         raise SystemExit("the host work runs on the worker thread here (no ISPC kernels or no CUDA "
                          "extension): nothing to measure")
@@ -121,13 +162,19 @@ def main() -> None:
     try:
         for batch in args.batches.split(","):
             count, length = (int(part) for part in batch.split("x"))
-            result = measure(engine, count, length, args.repeats)
+            trace_path = None
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                trace_path = os.path.join(args.trace_dir, f"handoff-{args.model}-{batch}.json.gz")
+            result = measure(engine, count, length, args.repeats, trace_path)
             results.append(result)
             print(f"{count:4d} x {length:5d}: alone {result['alone_us_per_layer']:7.0f} us/layer | engine "
                   f"{result['engine_us_per_layer']:7.0f} us/layer ({result['engine_over_alone']:.2f}x alone), "
                   f"iteration {result['engine_iteration_ms']:6.1f} ms | pipelined "
                   f"{result['pipelined_us_per_layer_and_sub_batch']:7.0f} us/layer/sub-batch, iteration "
-                  f"{result['pipelined_iteration_ms']:6.1f} ms", flush=True)
+                  f"{result['pipelined_iteration_ms']:6.1f} ms (launch {result['pipelined_launch_ms']:5.1f}) | "
+                  f"gpu pair {result['gpu_pair_iteration_ms']:6.1f} ms (launch {result['gpu_pair_launch_ms']:5.1f})",
+                  flush=True)
     finally:
         engine.close()
     report = {"device": device_name(engine.device), "model": args.model,

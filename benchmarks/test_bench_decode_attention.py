@@ -2,8 +2,9 @@
 ``scaled_dot_product_attention`` against the machine's read bandwidth, measured in one run.
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, block size 16, shuffled block tables, over
-(num_seqs, context_len) points with >= 64K context tokens per call and one short point; bf16 and
-fp16. Each result records the GB/s of K and V bytes read and its share of the ceiling (a float32
+(num_seqs, context_len) points with >= 64K context tokens per call and short points the size of
+one layer's host attention in a small host batch (the batches that can hide under one sub-batch's
+GPU work in the engine's pipeline); bf16 and fp16. Each result records the GB/s of K and V bytes read and its share of the ceiling (a float32
 torch.sum over 1 GiB with all threads) in ``benchmark.extra_info``; a compact table is printed at
 the end of the session (benchmarks/conftest.py).
 
@@ -33,7 +34,7 @@ from neo.host_memory import huge_page_zeros
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (num_seqs, context_len)
-POINTS = [(64, 1024), (16, 4096), (8, 256)]
+POINTS = [(64, 1024), (16, 4096), (8, 256), (1, 256), (8, 768)]
 DTYPES = (torch.bfloat16, torch.float16)
 # Rounds are chosen so that one benchmark takes about this long (within the bounds below).
 TARGET_SECONDS = 1.5
