@@ -130,12 +130,13 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
 def test_thread_counts(implementation, device, threads, torch_threads, generator):
-    """Correct on any torch thread count, which the call leaves as it was."""
+    """Correct on any torch thread count (more threads than cores too: sequences split across
+    threads are merged by whichever ends last), which the call leaves as it was."""
     torch_threads(threads)
-    seq_lens = [int(torch.randint(1, 3000, (), generator=generator)) for _ in range(3)]
+    seq_lens = [int(torch.randint(1, 3000, (), generator=generator)) for _ in range(3)] + [64, 65, 300]
     check(implementation, *make_case(seq_lens, 16, 2, 64, 16, torch.bfloat16, generator, device))
     assert torch.get_num_threads() == threads
 
