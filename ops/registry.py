@@ -13,6 +13,7 @@ benchmarks take their lists from ``implementations()``, so a missing build shows
 unavailable entry with its reason, never as silence.
 """
 
+import functools
 import hashlib
 import importlib
 from dataclasses import dataclass
@@ -136,12 +137,18 @@ def implementations(op: str, device: str | None = None,
 
 def build_fingerprints() -> dict[str, str]:
     """A digest of each loaded compiled extension's file, by implementation name ('cuda',
-    'ispc'): anything measured with these kernels (a perf profile) is stale once they change."""
-    fingerprints = {}
+    'ispc'): anything measured with these kernels (a perf profile) is stale once they change.
+    Read once per process (the code it describes is the one loaded)."""
+    return dict(_file_digests())
+
+
+@functools.cache
+def _file_digests() -> tuple[tuple[str, str], ...]:
+    digests = []
     for name, path in sorted(_loaded_files.items()):
         with open(path, "rb") as file:
-            fingerprints[name] = hashlib.file_digest(file, "sha256").hexdigest()[:16]
-    return fingerprints
+            digests.append((name, hashlib.sha256(file.read()).hexdigest()[:16]))
+    return tuple(digests)
 
 
 def dispatched(op: str, device: str) -> str:
