@@ -28,6 +28,11 @@ def padded_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+def graph_block_width(max_context: int, block_size: int) -> int:
+    """Block-table columns the graphs are captured with: wider tables run eagerly."""
+    return -(-max_context // block_size)
+
+
 class DecodeGraphs:
     """Captured forwards, one per padded batch size, sharing one memory pool."""
 
@@ -35,7 +40,7 @@ class DecodeGraphs:
         self.model = model
         self.device = device
         self.block_size = kv_cache.layout.block_size
-        self.max_blocks = -(-max_context // self.block_size)
+        self.max_blocks = graph_block_width(max_context, self.block_size)
         self.sizes = padded_batch_sizes(max_batch_size)
         largest = self.sizes[-1]
         int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)

@@ -45,6 +45,7 @@ the correction is optimistic, so host decodes are tried wherever they might pay.
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .cuda_graphs import graph_block_width
 from .config import EngineConfig
 from .perf_model import HostTimeCalibration, PerfModel
 from .request import KVLocation, Request
@@ -377,7 +378,7 @@ class OffloadScheduler(Scheduler):
         if batch.prefills or batch.cpu_decodes or not batch.gpu_decodes or not self.config.use_cuda_graphs:
             return None
         widest = max(len(request.block_table) for request in batch.gpu_decodes)
-        if widest > -(-self.config.cuda_graph_max_context // self.block_manager.block_size):
+        if widest > graph_block_width(self.config.cuda_graph_max_context, self.block_manager.block_size):
             return None
         return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
 

@@ -35,14 +35,24 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
+def bracket(xs: list[float], x: float) -> list[int]:
+    """Indices of the points ``interpolate`` uses at ``x`` (non-empty ``xs``): the only one, or
+    the pair around ``x`` (the end pair beyond the ends)."""
+    if len(xs) == 1:
+        return [0]
+    index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    return [index - 1, index]
+
+
 def interpolate(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise-linear through the points; linear extrapolation beyond the ends."""
     if not xs:
         return 0.0
-    if len(xs) == 1:
+    points = bracket(xs, x)
+    if len(points) == 1:
         return ys[0] * (x / xs[0]) if xs[0] else ys[0]
-    index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    first, second = points
+    x0, x1, y0, y1 = xs[first], xs[second], ys[first], ys[second]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
@@ -109,13 +119,9 @@ class PerfModel:
         requests = table.cpu_attention_requests
         if num_requests == 0 or not requests:
             return 0.0
-        # Only the two rows ``interpolate`` would use across the request counts are evaluated
-        # (the scheduler asks this several times per host request per iteration).
-        if len(requests) == 1:
-            rows = [0]
-        else:
-            index = min(max(bisect.bisect_left(requests, num_requests), 1), len(requests) - 1)
-            rows = [index - 1, index]
+        # Only the rows ``interpolate`` uses across the request counts are evaluated (the
+        # scheduler asks this several times per host request per iteration).
+        rows = bracket(requests, num_requests)
         per_row = [interpolate(table.cpu_attention_tokens[row], table.cpu_attention_seconds[row], context_tokens)
                    for row in rows]
         return interpolate([requests[row] for row in rows], per_row, num_requests)
