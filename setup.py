@@ -20,6 +20,11 @@ from torch.utils import cpp_extension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 ISPC_TARGETS = os.environ.get("NEO_ISPC_TARGETS", "sse4-i32x4,avx2-i32x8,avx512skx-x16,avx512spr-x16")
 CXX_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+# Link the shared C++ runtime that torch's own libraries load. A toolchain configured to link
+# libstdc++ statically gives an extension a private copy of it, and an error raised in the
+# extension (a c10 error formats its message with that copy's streams) then crashes the process
+# instead of reaching Python.
+LINK_FLAGS = ["-l:libstdc++.so.6"]
 
 
 def notice(message: str) -> None:
@@ -79,7 +84,7 @@ def cpu_extension():
         "neo.ops._cpu_kernels",
         sorted(glob.glob(os.path.join("ops_cpu", "*.cpp"))),
         extra_compile_args={"cxx": CXX_FLAGS + ["-fopenmp"]},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=LINK_FLAGS + ["-fopenmp"],
     )
     extension.ispc = ispc
     extension.ispc_sources = sorted(glob.glob(os.path.join(ROOT, "ops_cpu", "*.ispc")))
@@ -110,6 +115,7 @@ def cuda_extension():
             "cxx": host_flags,
             "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + arch_flags,
         },
+        extra_link_args=LINK_FLAGS,
     )
 
 
