@@ -99,16 +99,17 @@ class DecoderLayer(torch.nn.Module):
         return q, k, v, residual
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
-                  ) -> torch.Tensor:
-        """Attention of the compute-device tokens; returns ``out [T, H, D]`` (q's dtype).
+                  meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the compute-device tokens; returns ``out [T, H, D]`` (q's dtype), into
+        ``out`` when given.
 
         Rows ``[0, num_prefill_tokens)``: causal attention of each prompt over itself (from
         ``k``/``v``; no prefix cache). Rows ``[num_prefill_tokens, num_gpu_tokens)``: paged decode
         attention over ``k_cache``/``v_cache``. Rows ``[num_gpu_tokens, T)`` (CPU decodes) are
         left unwritten for the caller to fill.
         """
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         prefill_end, gpu_end = meta.num_prefill_tokens, meta.num_gpu_tokens
         if prefill_end:
             torch.ops.neo.prefill_attention(out[:prefill_end], q[:prefill_end], k[:prefill_end],

@@ -19,6 +19,7 @@ from .model_config import parse_dtype
 from .model_runner import ModelRunner
 from .offload_scheduler import OffloadScheduler
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .pipeline_graphs import PipelineGraphs
 from .profiler import load_perf_model
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -67,12 +68,16 @@ class LLMEngine:
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
                                     max_offload_tokens=config.max_num_batched_tokens,
+                                    max_blocks_per_sequence=-(-self.max_model_len // config.block_size),
                                     measure_gpu_busy=config.trace_path is not None)
-        decode_graphs = None
+        decode_graphs = pipeline_graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
-            decode_graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
-                                         min(self.max_model_len, config.cuda_graph_max_context), self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs)
+            graph_context = min(self.max_model_len, config.cuda_graph_max_context)
+            decode_graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, graph_context, self.device)
+            if executor.stream_ordered_host_work:
+                pipeline_graphs = PipelineGraphs(self.model, executor, config.max_num_seqs, graph_context,
+                                                 config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs, pipeline_graphs)
         if config.policy == "gpu-only":
             self.scheduler = Scheduler(config, self.block_manager)
         else:  # the profiler, when it runs, measures through the runner built above
@@ -242,6 +247,7 @@ class LLMEngine:
         metrics = self.metrics
         metrics.iterations += 1
         metrics.two_batch_iterations += len([b for b in plan.sub_batches if b]) > 1
+        metrics.graph_iterations += self.runner.replayed_graph
         for batch in plan.sub_batches:
             metrics.prefill_tokens += batch.num_prefill_tokens
             metrics.gpu_decode_tokens += len(batch.gpu_decodes)

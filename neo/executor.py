@@ -25,10 +25,14 @@ once ``pre`` made them; the host stores the K/V into the host cache and runs
 ``paged_decode_attention``; the result is copied back into the attention output, and the
 compute stream waits for that copy (an event) right before ``post``. Two hand-offs:
 
-- on CUDA with the C++ (ISPC) CPU kernels, the host work is a CUDA host function queued on the
-  copy stream between the two copies (``torch.ops.neo_pipeline.enqueue_host_decode``): the
-  streams order everything, no Python runs on the host side and the launching thread never
-  waits, so it can queue layers ahead of the GPU;
+- on CUDA with the C++ (ISPC) CPU kernels, one C++ call per layer and sub-batch
+  (``torch.classes.neo_pipeline.HostDecodeStage``, one stage per sub-batch slot) queues the
+  copies, a CUDA host function doing the host work, the copy back and the events: the streams
+  order everything, no Python runs on the host side and the launching thread never waits, so
+  it can queue layers ahead of the GPU. The host functions read the iteration's host metadata
+  (row counts, host slots, block tables, lengths) from the stage's buffers, which ``prepare``
+  fills once per iteration, so the same calls can be captured in a CUDA graph and replayed
+  (``PipelineGraphs``);
 - otherwise (no CUDA, or Python CPU kernels) a worker thread runs it (``CpuAttentionWorker``),
   waiting for the copy's event; the launching thread waits for the worker right before the
   stage that needs the result.
@@ -37,6 +41,7 @@ Whole-request swaps between the pools are queued on the copy stream at the start
 layer, which the compute stream waits for before that layer. No step synchronizes the device.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -48,29 +53,71 @@ from .batch_inputs import BatchInputs
 from .cpu_worker import CpuAttentionWorker
 from .kv_cache import KVCache
 
+logger = logging.getLogger(__name__)
+
 FAILURE_MESSAGE_BYTES = 1024
+NUM_SLOTS = 2  # sub-batches in flight at once
+
+
+def host_stage_available() -> bool:
+    """Whether the CUDA extension with ``neo_pipeline.HostDecodeStage`` is loaded."""
+    try:
+        torch.classes.neo_pipeline.HostDecodeStage
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 @dataclass
-class _HostBuffers:
-    """Pinned host buffers of one sub-batch slot (CUDA only); reused layer after layer."""
+class _SlotBuffers:
+    """One sub-batch slot's host-side buffers (CUDA only), reused layer after layer: pinned rows
+    for the copies, and the host metadata of the slot's current sub-batch."""
 
-    query: torch.Tensor  # [max_decodes, H, D]
-    key: torch.Tensor  # [max_decodes, KVH, D]
-    value: torch.Tensor  # [max_decodes, KVH, D]
-    output: torch.Tensor  # [max_decodes, H, D]
-    offload_key: torch.Tensor  # [max_offload_tokens, KVH, D]
-    offload_value: torch.Tensor  # [max_offload_tokens, KVH, D]
+    query: torch.Tensor  # [max_decodes, H, D] pinned
+    key: torch.Tensor  # [max_decodes, KVH, D] pinned
+    value: torch.Tensor  # [max_decodes, KVH, D] pinned
+    output: torch.Tensor  # [max_decodes, H, D] pinned
+    offload_key: torch.Tensor  # [max_offload_tokens, KVH, D] pinned
+    offload_value: torch.Tensor  # [max_offload_tokens, KVH, D] pinned
+    slot_mapping: torch.Tensor  # int64 [max_decodes]: host-cache slot of each decode's new token
+    block_table: torch.Tensor  # int32 [max_decodes, max_blocks_per_sequence]
+    seq_lens: torch.Tensor  # int32 [max_decodes]
+    offload_slot_mapping: torch.Tensor  # int64 [max_offload_tokens]
+    counts: torch.Tensor  # int64 [2]: host decodes and offloaded prefill tokens of the iteration
 
     @classmethod
-    def allocate(cls, max_decodes, max_offload_tokens, num_heads, num_kv_heads, head_dim, dtype):
-        def pinned(*shape):
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+    def allocate(cls, max_decodes, max_offload_tokens, max_blocks, num_heads, num_kv_heads, head_dim, dtype):
+        def pinned(*shape):  # zeroed: rows a captured graph copies back unattended stay finite
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
         return cls(pinned(max_decodes, num_heads, head_dim), pinned(max_decodes, num_kv_heads, head_dim),
                    pinned(max_decodes, num_kv_heads, head_dim), pinned(max_decodes, num_heads, head_dim),
                    pinned(max_offload_tokens, num_kv_heads, head_dim),
-                   pinned(max_offload_tokens, num_kv_heads, head_dim))
+                   pinned(max_offload_tokens, num_kv_heads, head_dim),
+                   torch.zeros(max_decodes, dtype=torch.int64),
+                   torch.zeros(max_decodes, max_blocks, dtype=torch.int32),
+                   torch.ones(max_decodes, dtype=torch.int32),
+                   torch.zeros(max_offload_tokens, dtype=torch.int64),
+                   torch.zeros(2, dtype=torch.int64))
+
+    def load(self, meta: AttentionMetadata) -> None:
+        """Copy the sub-batch's host metadata in (the host functions read it from here)."""
+        decodes, offloaded = meta.num_cpu_decodes, meta.num_offloaded_prefill_tokens
+        if decodes > self.query.shape[0] or offloaded > self.offload_key.shape[0]:
+            raise ValueError(f"a sub-batch of {decodes} host decodes and {offloaded} offloaded prefill "
+                             f"tokens exceeds the pipeline's buffers ({self.query.shape[0]}, "
+                             f"{self.offload_key.shape[0]})")
+        if decodes:
+            width = meta.cpu_block_table_host.shape[1]
+            if width > self.block_table.shape[1]:
+                raise ValueError(f"a host block table of {width} blocks exceeds the pipeline's "
+                                 f"{self.block_table.shape[1]} blocks per sequence")
+            self.slot_mapping[:decodes] = meta.cpu_slot_mapping_host
+            self.block_table[:decodes, :width] = meta.cpu_block_table_host
+            self.seq_lens[:decodes] = meta.cpu_seq_lens_host
+        if offloaded:
+            self.offload_slot_mapping[:offloaded] = meta.offload_slot_mapping_host
+        self.counts[0], self.counts[1] = decodes, offloaded
 
 
 @dataclass
@@ -92,15 +139,11 @@ class _HostInputs:
 class _SubBatchState:
     """One sub-batch's activations while it moves through the layers."""
 
-    inputs: BatchInputs
+    metadata: AttentionMetadata
     hidden: torch.Tensor
     residual: torch.Tensor | None = None
     attention_output: torch.Tensor | None = None
-    pending: object = None  # the current layer's host work: a CUDA event or a (Future, rows)
-
-    @property
-    def metadata(self) -> AttentionMetadata:
-        return self.inputs.metadata
+    pending: object = None  # the current layer's host work: a HostDecodeStage or a (Future, rows)
 
 
 class PipelineExecutor:
@@ -108,7 +151,7 @@ class PipelineExecutor:
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device,
                  worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_offload_tokens: int,
-                 measure_gpu_busy: bool = False):
+                 max_blocks_per_sequence: int, measure_gpu_busy: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -117,26 +160,31 @@ class PipelineExecutor:
         self.scale = config.head_dim ** -0.5
         self.on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
-        self.host_buffers = []
+        self.slots: list[_SlotBuffers] = []
         if self.on_cuda and worker is not None:
-            self.host_buffers = [
-                _HostBuffers.allocate(max_cpu_decodes, max_offload_tokens, config.num_heads,
-                                      config.num_kv_heads, config.head_dim, kv_cache.layout.dtype)
-                for _ in range(2)
-            ]
-        self.stream_ordered_host_work = (self.on_cuda and worker is not None
-                                         and hasattr(torch.ops.neo_pipeline, "enqueue_host_decode")
+            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_offload_tokens, max_blocks_per_sequence,
+                                                config.num_heads, config.num_kv_heads, config.head_dim,
+                                                kv_cache.layout.dtype)
+                          for _ in range(NUM_SLOTS)]
+        self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
+        self.host_seconds = torch.zeros(1, dtype=torch.float64)  # host functions' time this iteration
+        self.stream_ordered_host_work = (bool(self.slots) and host_stage_available()
                                          and dispatched("paged_decode_attention", "cpu") == "ispc"
                                          and dispatched("store_kv_cache", "cpu") == "ispc")
-        self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
+        self.stages = []
+        if self.stream_ordered_host_work:
+            stream = self.copy_stream
+            self.stages = [torch.classes.neo_pipeline.HostDecodeStage(
+                slot.query, slot.key, slot.value, slot.output, slot.offload_key, slot.offload_value,
+                slot.slot_mapping, slot.block_table, slot.seq_lens, slot.offload_slot_mapping, slot.counts,
+                self.host_failure, self.host_seconds, self.scale, worker.num_threads, config.num_layers,
+                stream.stream_id, stream.device_index, stream.device_type) for slot in self.slots]
         # GPU busy time per iteration (for the trace): the iteration's span minus the time the
-        # compute stream spent waiting for the host, from events on the compute stream. Host
-        # busy time (which the scheduler learns from) from events around the host functions on
-        # the copy stream, every iteration.
+        # compute stream spent waiting for the host, from timing events on the compute stream
+        # (inside a captured graph they are recorded as graph nodes).
         self.measure_gpu_busy = measure_gpu_busy and self.on_cuda
         self._span_events: list[torch.cuda.Event] = []
         self._wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._host_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around host functions
 
     # -- public --------------------------------------------------------------------------------
 
@@ -146,25 +194,50 @@ class PipelineExecutor:
 
         swap_out / swap_in: int64 host ``[n, 2]`` block pairs (gpu->cpu / cpu->gpu) to copy first.
         """
-        self.host_failure[0] = 0
-        self._span_events, self._wait_events, self._host_events = [self._timing_event()], [], []
-        states = [_SubBatchState(inputs, self.model.embed(inputs.input_ids)) for inputs in batches]
+        self.prepare([inputs.metadata for inputs in batches])
+        states = [_SubBatchState(inputs.metadata, self.model.embed(inputs.input_ids)) for inputs in batches]
         swap_events = self._start_swaps(swap_out, swap_in)
-        num_layers = len(self.model.layers)
         try:
-            if len(states) == 1:
-                self._run_sequential(states[0], swap_events, num_layers)
-            else:
-                self._run_asymmetric(states, swap_events, num_layers)
+            self._run_layers(states, swap_events)
         except BaseException:
             self._drain(states)
             raise
-        hidden_rows = [self.model.final_norm(state.hidden[state.inputs.logits_indices],
-                                             state.residual[state.inputs.logits_indices])
-                       for state in states]
+        hidden_rows = [self.model.final_norm(state.hidden[inputs.logits_indices],
+                                             state.residual[inputs.logits_indices])
+                       for state, inputs in zip(states, batches)]
         logits = self.model.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
-        self._span_events.append(self._timing_event())
+        self.end()
         return logits
+
+    def forward_all_rows(self, input_ids: list[torch.Tensor], metadata: list[AttentionMetadata]) -> list[torch.Tensor]:
+        """Every layer for sub-batches without prefills and swaps, and the final norm of every
+        row: ``[T_b, hidden]`` per sub-batch. What ``PipelineGraphs`` captures; ``prepare``
+        and ``end`` stay outside the capture."""
+        states = [_SubBatchState(meta, self.model.embed(ids)) for ids, meta in zip(input_ids, metadata)]
+        self._run_layers(states, None)
+        return [self.model.final_norm(state.hidden, state.residual) for state in states]
+
+    def prepare(self, metadata: list[AttentionMetadata]) -> None:
+        """Before an iteration's work is queued (or replayed): load each sub-batch's host
+        metadata into its slot, clear the host failure and time, start the span."""
+        self.host_failure[0] = 0
+        self.host_seconds.zero_()
+        if self.stages:
+            for slot, meta in zip(self.slots, metadata):
+                slot.load(meta)
+        self._span_events, self._wait_events = [self._timing_event()], []
+
+    def end(self, wait_events: list | None = None) -> None:
+        """After an iteration's work is queued: end the span (``wait_events``: the compute
+        stream's waits for the host recorded inside a replayed graph)."""
+        if wait_events is not None:
+            self._wait_events = wait_events
+        self._span_events.append(self._timing_event())
+
+    def take_wait_events(self) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """The waits recorded since ``prepare`` (a capture keeps those of its graph)."""
+        events, self._wait_events = self._wait_events, []
+        return events
 
     def raise_host_failure(self) -> None:
         """Raise what failed in the last iteration's host functions (after the device synced)."""
@@ -174,20 +247,31 @@ class PipelineExecutor:
 
     def gpu_busy_seconds(self) -> float | None:
         """The last iteration's GPU time outside waits for the host (once it has completed)."""
-        if not self.measure_gpu_busy or None in self._span_events:
+        if not self.measure_gpu_busy or None in self._span_events or len(self._span_events) != 2:
             return None
         start, end = self._span_events
-        waiting = sum(before.elapsed_time(after) for before, after in self._wait_events)
+        try:
+            waiting = sum(before.elapsed_time(after) for before, after in self._wait_events)
+        except RuntimeError as error:  # events a graph recorded that the driver cannot time
+            logger.warning("GPU busy time not measured from now on: timing the waits for the host "
+                           "failed (%s)", error)
+            self.measure_gpu_busy = False
+            return None
         return (start.elapsed_time(end) - waiting) / 1e3
 
     def host_busy_seconds(self) -> float | None:
-        """The last iteration's time in host functions on the copy stream (once it has
-        completed); None when the host work ran on the worker thread, which counts its own."""
-        if not self.stream_ordered_host_work:
-            return None
-        return sum(before.elapsed_time(after) for before, after in self._host_events) / 1e3
+        """The last iteration's time in host functions (once it has completed); None when the
+        host work ran on the worker thread, which counts its own."""
+        return float(self.host_seconds[0]) if self.stream_ordered_host_work else None
 
     # -- stage orders --------------------------------------------------------------------------
+
+    def _run_layers(self, states: list[_SubBatchState], swap_events) -> None:
+        num_layers = len(self.model.layers)
+        if len(states) == 1:
+            self._run_sequential(states[0], swap_events, num_layers)
+        else:
+            self._run_asymmetric(states, swap_events, num_layers)
 
     def _run_sequential(self, state: _SubBatchState, swap_events, num_layers: int) -> None:
         for layer_index in range(num_layers):
@@ -214,15 +298,11 @@ class PipelineExecutor:
         meta = state.metadata
         query, key, value, state.residual = layer.pre_attention(state.hidden, state.residual, meta,
                                                                 k_cache, v_cache)
+        state.attention_output = torch.empty_like(query)
         host_inputs = self._host_inputs(meta, query, key, value)
-        ready = None
-        if host_inputs is not None and self.on_cuda:
-            ready = torch.cuda.Event()
-            ready.record()  # the host inputs exist; the copy stream may start before attn_gpu
-        state.attention_output = layer.attention(query, key, value, meta, k_cache, v_cache)
-        if host_inputs is not None:
-            state.pending = self._start_host_work(meta, layer_index, slot, host_inputs, ready,
-                                                  state.attention_output)
+        if host_inputs is not None:  # queued before attn_gpu, so the copies may start meanwhile
+            state.pending = self._start_host_work(meta, layer_index, slot, host_inputs, state.attention_output)
+        layer.attention(query, key, value, meta, k_cache, v_cache, out=state.attention_output)
 
     def _finish_layer(self, state: _SubBatchState, layer_index: int) -> None:
         self._collect_host_work(state)
@@ -234,7 +314,7 @@ class PipelineExecutor:
     # -- host attention ------------------------------------------------------------------------
 
     def _host_inputs(self, meta: AttentionMetadata, query, key, value) -> _HostInputs | None:
-        """The rows the host needs for this layer (contiguous, made on the compute stream)."""
+        """The rows the host needs for this layer (contiguous: ``pre_attention``'s outputs are)."""
         if meta.num_cpu_decodes == 0 and meta.num_offloaded_prefill_tokens == 0:
             return None
         if self.worker is None:
@@ -242,13 +322,41 @@ class PipelineExecutor:
                                "the plan has host decodes or host-bound prefills")
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
         offload = meta.num_offloaded_prefill_tokens > 0
-        return _HostInputs(query[rows].contiguous(), key[rows].contiguous(), value[rows].contiguous(),
+        return _HostInputs(query[rows], key[rows], value[rows],
                            key[meta.offload_token_indices] if offload else None,
                            value[meta.offload_token_indices] if offload else None)
 
+    def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
+                         inputs: _HostInputs, attention_output: torch.Tensor):
+        host_k_cache, host_v_cache = self.kv_cache.cpu_layers[layer_index]
+        rows = slice(meta.num_gpu_tokens, meta.num_tokens)
+        if self.stages:
+            stage = self.stages[slot]
+            stage.start(layer_index, inputs.query, inputs.key, inputs.value, inputs.offload_key,
+                        inputs.offload_value, attention_output[rows], host_k_cache, host_v_cache)
+            return stage
+        if not self.on_cuda:
+            output = torch.empty_like(inputs.query)
+            return self.worker.submit(lambda: self._host_task(inputs, output, meta, host_k_cache,
+                                                              host_v_cache)), rows
+        ready = torch.cuda.Event()
+        ready.record()
+        self.copy_stream.wait_event(ready)
+        with torch.cuda.stream(self.copy_stream):
+            pinned = self._to_pinned(slot, inputs)
+            copied = torch.cuda.Event()
+            copied.record()
+        output = self.slots[slot].output[:meta.num_cpu_decodes]
+
+        def task():
+            copied.synchronize()
+            return self._host_task(pinned, output, meta, host_k_cache, host_v_cache)
+
+        return self.worker.submit(task), rows
+
     def _to_pinned(self, slot: int, inputs: _HostInputs) -> _HostInputs:
         """Queue copies of the inputs into this slot's pinned buffers on the copy stream."""
-        buffers = self.host_buffers[slot]
+        buffers = self.slots[slot]
         decodes = inputs.query.shape[0]
         offloads = inputs.offload_key.shape[0] if inputs.offload_key is not None else 0
         pinned = _HostInputs(buffers.query[:decodes], buffers.key[:decodes], buffers.value[:decodes],
@@ -258,40 +366,6 @@ class PipelineExecutor:
             destination.copy_(source, non_blocking=True)
             source.record_stream(self.copy_stream)
         return pinned
-
-    def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
-                         inputs: _HostInputs, ready, attention_output: torch.Tensor):
-        host_k_cache, host_v_cache = self.kv_cache.cpu_layers[layer_index]
-        rows = slice(meta.num_gpu_tokens, meta.num_tokens)
-        if not self.on_cuda:
-            output = torch.empty_like(inputs.query)
-            return self.worker.submit(lambda: self._host_task(inputs, output, meta, host_k_cache,
-                                                              host_v_cache)), rows
-        self.copy_stream.wait_event(ready)
-        with torch.cuda.stream(self.copy_stream):
-            pinned = self._to_pinned(slot, inputs)
-            output = self.host_buffers[slot].output[:meta.num_cpu_decodes]
-            if not self.stream_ordered_host_work:
-                copied = torch.cuda.Event()
-                copied.record()
-
-                def task():
-                    copied.synchronize()
-                    return self._host_task(pinned, output, meta, host_k_cache, host_v_cache)
-
-                return self.worker.submit(task), rows
-            host_started = self._timing_event(always=True)
-            torch.ops.neo_pipeline.enqueue_host_decode(
-                output, pinned.query, pinned.key, pinned.value, host_k_cache, host_v_cache,
-                meta.cpu_slot_mapping_host, meta.cpu_block_table_host, meta.cpu_seq_lens_host,
-                self.scale, pinned.offload_key, pinned.offload_value,
-                meta.offload_slot_mapping_host if pinned.offload_key is not None else None,
-                self.host_failure, self.worker.num_threads)
-            self._host_events.append((host_started, self._timing_event(always=True)))
-            attention_output[rows].copy_(output, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return done
 
     def _host_task(self, inputs: _HostInputs, output, meta: AttentionMetadata, host_k_cache,
                    host_v_cache) -> torch.Tensor:
@@ -313,29 +387,29 @@ class PipelineExecutor:
         if pending is None:
             return
         before = self._timing_event()
-        if isinstance(pending, torch.cuda.Event):
-            torch.cuda.current_stream(self.device).wait_event(pending)
-        else:
+        if isinstance(pending, tuple):
             future, rows = pending
             output = future.result()
             if state.metadata.num_cpu_decodes:
                 # On the compute stream: the next stage needs these rows, and the pinned buffer
                 # is rewritten only after an event recorded behind this copy.
                 state.attention_output[rows].copy_(output, non_blocking=self.on_cuda)
+        else:
+            pending.finish()
         if before is not None:
             self._wait_events.append((before, self._timing_event()))
 
-    def _timing_event(self, always: bool = False) -> torch.cuda.Event | None:
-        """A timing event recorded on the current stream; None unless measuring GPU busy
-        time or ``always``."""
-        if not (self.measure_gpu_busy or always):
+    def _timing_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the current stream (a graph node while capturing); None
+        unless measuring GPU busy time."""
+        if not self.measure_gpu_busy:
             return None
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True, external=torch.cuda.is_current_stream_capturing())
         event.record()
         return event
 
     def _drain(self, states: list[_SubBatchState]) -> None:
-        """After an error: wait for outstanding worker tasks so none touches freed buffers."""
+        """After an error: wait for outstanding host work so none touches freed buffers."""
         for state in states:
             pending, state.pending = state.pending, None
             if isinstance(pending, tuple):

@@ -10,6 +10,7 @@ class EngineMetrics:
 
     iterations: int = 0
     two_batch_iterations: int = 0
+    graph_iterations: int = 0  # replayed from a captured CUDA graph
     prefill_tokens: int = 0
     gpu_decode_tokens: int = 0
     cpu_decode_tokens: int = 0
@@ -42,7 +43,7 @@ class IterationRecord:
     cpu_busy_seconds: float
     gpu_busy_seconds: float | None
     schedule_seconds: float  # the scheduler's own time for this plan
-    graph_replayed: bool  # ran as a captured decode CUDA graph
+    graph_replayed: bool  # replayed from a captured CUDA graph (decode-only, host decodes or not)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from .batch_inputs import build_batch_inputs
 from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
 from .kv_cache import KVCache
+from .pipeline_graphs import PipelineGraphs
 from .sampler import Sampler
 from .scheduler_output import SchedulerOutput
 
@@ -20,13 +21,15 @@ class ModelRunner:
     """Builds each sub-batch's inputs, runs the executor, samples one token per request."""
 
     def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, pipeline_graphs: PipelineGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
         self.device = device
         self.decode_graphs = decode_graphs
-        self.replayed_graph = False  # whether the last plan ran as a captured decode graph
+        self.pipeline_graphs = pipeline_graphs
+        self.replayed_graph = False  # whether the last plan was replayed from a captured graph
+        self._replayed_decode_graph = False  # ... from DecodeGraphs (no executor involved)
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
 
@@ -45,12 +48,19 @@ class ModelRunner:
             if on_launched is not None:
                 on_launched()
             return []
+        swaps = bool(plan.swap_out or plan.swap_in)
         graphs = self.decode_graphs
-        self.replayed_graph = (graphs is not None and len(batches) == 1 and not plan.swap_out
-                                and not plan.swap_in and graphs.can_run(batches[0]))
-        if self.replayed_graph:
+        self._replayed_decode_graph = (graphs is not None and len(batches) == 1 and not swaps
+                                       and graphs.can_run(batches[0]))
+        logits = None
+        if self._replayed_decode_graph:
             logits = graphs.run(batches[0])
-        else:
+        elif self.pipeline_graphs is not None and not swaps:
+            shape = self.pipeline_graphs.shape(batches)
+            if shape is not None:
+                logits = self.pipeline_graphs.run(batches, shape)
+        self.replayed_graph = logits is not None
+        if logits is None:
             logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
         sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
         if on_launched is not None:
@@ -60,13 +70,14 @@ class ModelRunner:
         return tokens
 
     def gpu_busy_seconds(self) -> float | None:
-        """GPU busy time of the last iteration, when it ran through the executor and measured."""
-        return None if self.replayed_graph else self.executor.gpu_busy_seconds()
+        """GPU busy time of the last iteration, when the executor's work (queued or replayed
+        from a pipeline graph) measured it."""
+        return None if self._replayed_decode_graph else self.executor.gpu_busy_seconds()
 
     def host_busy_seconds(self) -> float | None:
         """Host attention time of the last iteration when the executor measured it (host
         functions on a CUDA stream); None when the worker thread counts it."""
-        return None if self.replayed_graph else self.executor.host_busy_seconds()
+        return None if self._replayed_decode_graph else self.executor.host_busy_seconds()
 
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = _block_pairs(plan.swap_out), _block_pairs(plan.swap_in)

@@ -9,6 +9,8 @@
 import pytest
 import torch
 
+import neo.executor
+
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
 from neo.request import KVLocation
@@ -31,31 +33,38 @@ def expected(tmp_path_factory):
 
 
 def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True):
+    """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs' shapes captured."""
     llm = LLM("neo-tiny", device=device, dtype="float32", policy=policy,
               gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
               perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
-        return [o.outputs[0].token_ids for o in outputs], llm.get_metrics()
+        graphs = llm.engine.runner.pipeline_graphs
+        return [o.outputs[0].token_ids for o in outputs], llm.get_metrics(), list(graphs.captures) if graphs else []
     finally:
         llm.close()
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_gpu_engine_equals_cpu_engine_float32(cuda_graphs):
-    gpu_tokens, _ = generate("cuda", "gpu-only", 1024, cuda_graphs)
-    cpu_tokens, _ = generate("cpu", "gpu-only", 1024)
+    gpu_tokens, _, _ = generate("cuda", "gpu-only", 1024, cuda_graphs)
+    cpu_tokens, _, _ = generate("cpu", "gpu-only", 1024)
     assert gpu_tokens == cpu_tokens
 
 
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_policies_equal_transformers_on_gpu_float32(setting, expected):
-    tokens, metrics = generate("cuda", SETTINGS[setting]["policy"], SETTINGS[setting]["gpu_blocks"])
+def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expected):
+    tokens, metrics, captured = generate("cuda", SETTINGS[setting]["policy"], SETTINGS[setting]["gpu_blocks"],
+                                         cuda_graphs)
     assert tokens == expected
     if setting == "gpu-only-preempting":
         assert metrics["blocks_swapped_out"] > 0 and metrics["blocks_swapped_in"] > 0
+    assert (metrics["graph_iterations"] > 0) == cuda_graphs
     if SETTINGS[setting]["policy"] != "gpu-only":
         assert metrics["cpu_decode_tokens"] > 0 and metrics["two_batch_iterations"] > 0
+        if cuda_graphs:  # decode-only iterations with host decodes replayed pipeline graphs
+            assert any(len(shape) == 2 for shape in captured)
 
 
 def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps: int):
@@ -70,9 +79,9 @@ def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps
     current = []  # the requests of the iteration being executed, in logits-row order
     execute = engine.runner.execute
 
-    def execute_recording_order(plan):
+    def execute_recording_order(plan, on_launched=None):
         current[:] = plan.requests
-        return execute(plan)
+        return execute(plan, on_launched)
 
     def sampler(logits, params, generators):
         tokens = []
@@ -111,19 +120,29 @@ def test_policies_agree_on_logits_in_bf16():
             assert error < 3e-2, f"{policy}: logits of prompt {key[0]} token {key[1]} differ by {error:.3g}"
 
 
-def test_host_failure_reaches_the_caller_and_frees_blocks():
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, monkeypatch):
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="float32", policy="full-offload",
                                     gpu_kv_cache_gib=gib_for_blocks(4), cpu_kv_cache_gib=gib_for_blocks(64),
-                                    perf_model="zero", use_cuda_graphs=False))
+                                    perf_model="zero", use_cuda_graphs=cuda_graphs))
     try:
         engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
         engine.step()  # prefill, its KV copied to the host pool
-        # Corrupt one layer's host cache view: the host kernel rejects it mid-iteration.
-        k_cache, v_cache = engine.kv_cache.cpu_layers[2]
-        engine.kv_cache.cpu_layers[2] = (k_cache.to(torch.float16), v_cache)
-        with pytest.raises((RuntimeError, ValueError), match="dtype"):
+        engine.step()  # a decode on the host (replayed from a pipeline graph when graphs are on)
+        assert engine.runner.replayed_graph == cuda_graphs
+        # The host metadata names a block beyond the host pool: the host kernel rejects it in
+        # every layer's host function, inside the replayed graph or the queued iteration.
+        load = neo.executor._SlotBuffers.load
+
+        def load_corrupted(slot, meta):
+            load(slot, meta)
+            if meta.num_cpu_decodes:
+                slot.block_table[0, 0] = engine.layout.num_cpu_blocks + 7
+
+        monkeypatch.setattr(neo.executor._SlotBuffers, "load", load_corrupted)
+        with pytest.raises(RuntimeError, match="host decode attention failed: .*block id"):
             engine.step()
-        engine.kv_cache.cpu_layers[2] = (k_cache, v_cache)
+        monkeypatch.undo()
         assert not engine.has_unfinished_requests()
         assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks
         survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))

@@ -10,6 +10,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 COUNTER_HELP = {
     "iterations": "Engine iterations run.",
     "two_batch_iterations": "Iterations that ran two sub-batches (asymmetric pipeline).",
+    "graph_iterations": "Iterations replayed from a captured CUDA graph.",
     "prefill_tokens": "Prompt tokens prefilled.",
     "gpu_decode_tokens": "Decode tokens whose attention ran on the compute device.",
     "cpu_decode_tokens": "Decode tokens whose attention ran on the host CPU.",

@@ -1,0 +1,200 @@
+"""``PipelineGraphs``: CUDA graphs of decode-only iterations with host decodes.
+
+Queuing an iteration of the offloading pipeline costs the launching thread, per layer and
+sub-batch, the GPU stages' launches plus the host hand-off; on a 32B model that took about as
+long as the GPU work itself, so small two-sub-batch iterations ran at the launching thread's
+pace with the GPU idle between launches. A decode-only iteration (no prefills, no swaps) is
+instead captured once per padded shape, with everything the executor queues: both
+sub-batches' GPU stages on the compute stream, and on the copy stream each layer's copies to
+pinned memory, the host function (a graph host node) and the copy back, ordered by the same
+events. It is then replayed with the iteration's inputs copied into static buffers, and the
+host functions read the iteration's host metadata from the buffers the executor loads before
+each replay (``PipelineExecutor.prepare``).
+
+Shapes: sub-batch ``s`` of a replay holds ``g`` GPU decodes and ``c`` host decodes, captured as
+``G >= g`` and ``C >= c`` rows (powers of two, and the largest count), laid out::
+
+    [ GPU decodes (g) | padding (G - g) | host decodes (c) | padding (C - c) ]
+
+Padding GPU rows decode a dummy token (slot -1: nothing stored; length 1 against block 0) as in
+``DecodeGraphs``; padding host rows go through the GPU stages and the copies, but the host
+functions attend only over the real rows, so they cost the host nothing. Logits of the real
+rows are computed after the replay. Graphs are captured on the first iteration of a shape and
+at most ``capacity`` are kept (the least recently used is dropped). A capture that fails turns
+the graphs off with a warning; iterations then run eagerly.
+"""
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .batch_inputs import BatchInputs
+from .cuda_graphs import graph_block_width
+from .executor import PipelineExecutor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = 32
+
+
+def padded_counts(largest: int) -> list[int]:
+    """0, then 1, 2, 4, ... below ``largest``, and ``largest``."""
+    sizes, size = [0], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+def padded(count: int, sizes: list[int]) -> int:
+    return next(size for size in sizes if size >= count)
+
+
+def graph_shape(metadata: list[AttentionMetadata], sizes: list[int], max_blocks: int
+                ) -> tuple[tuple[int, int], ...] | None:
+    """The padded ``((G, C), ...)`` that sub-batches of ``metadata`` replay with (row counts
+    from ``sizes``); None unless it is a decode-only iteration with host decodes whose GPU
+    block tables are at most ``max_blocks`` wide and whose counts are within ``sizes``."""
+    largest = sizes[-1]
+    shape = []
+    for meta in metadata:
+        if (meta.num_prefill_tokens or meta.num_offloaded_prefill_tokens
+                or meta.num_gpu_decodes > largest or meta.num_cpu_decodes > largest
+                or meta.gpu_block_table.shape[1] > max_blocks):
+            return None
+        shape.append((padded(meta.num_gpu_decodes, sizes), padded(meta.num_cpu_decodes, sizes)))
+    if not any(cpu for _, cpu in shape):
+        return None  # GPU decodes alone: DecodeGraphs' job
+    return tuple(shape)
+
+
+@dataclass
+class _Capture:
+    graph: torch.cuda.CUDAGraph
+    hidden: list[torch.Tensor]  # per sub-batch: [G + C, hidden] final-normed states
+    wait_events: list  # the compute stream's timed waits for the host inside the graph
+
+
+class StaticInputs:
+    """One sub-batch slot's static input buffers on the device, ``rows = largest G + largest C``."""
+
+    def __init__(self, rows: int, gpu_rows: int, max_blocks: int, device: torch.device):
+        int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(rows, **int64)
+        self.positions = torch.zeros(rows, **int64)
+        self.slot_mapping = torch.full((rows,), -1, **int64)
+        self.block_table = torch.zeros(gpu_rows, max_blocks, **int32)
+        self.seq_lens = torch.ones(gpu_rows, **int32)
+
+    def metadata(self, gpu_rows: int, cpu_rows: int, device: torch.device) -> AttentionMetadata:
+        """The captured sub-batch's metadata (host fields empty: the host functions read the
+        executor's buffers)."""
+        rows = gpu_rows + cpu_rows
+        empty_int32, empty_int64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(
+            num_prefill_tokens=0, num_gpu_decodes=gpu_rows, num_cpu_decodes=cpu_rows,
+            positions=self.positions[:rows], slot_mapping=self.slot_mapping[:rows],
+            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
+            gpu_block_table=self.block_table[:gpu_rows], gpu_seq_lens=self.seq_lens[:gpu_rows],
+            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
+            cpu_slot_mapping_host=empty_int64,
+            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
+            offload_slot_mapping_host=empty_int64)
+
+    def load(self, inputs: BatchInputs, gpu_rows: int, cpu_rows: int) -> None:
+        """Copy a sub-batch's inputs in, laid out for the captured ``gpu_rows`` / ``cpu_rows``."""
+        meta = inputs.metadata
+        gpu, cpu = meta.num_gpu_decodes, meta.num_cpu_decodes
+        host_rows = slice(gpu_rows, gpu_rows + cpu)
+        self.input_ids[:gpu].copy_(inputs.input_ids[:gpu], non_blocking=True)
+        self.input_ids[host_rows].copy_(inputs.input_ids[gpu:], non_blocking=True)
+        self.positions[:gpu].copy_(meta.positions[:gpu], non_blocking=True)
+        self.positions[host_rows].copy_(meta.positions[gpu:], non_blocking=True)
+        # Another shape may have left GPU slots in rows that are padding or host rows here.
+        self.slot_mapping[:gpu].copy_(meta.slot_mapping[:gpu], non_blocking=True)
+        self.slot_mapping[gpu:gpu_rows + cpu_rows].fill_(-1)
+        if gpu_rows:
+            width = meta.gpu_block_table.shape[1]
+            self.seq_lens[:gpu].copy_(meta.gpu_seq_lens, non_blocking=True)
+            self.seq_lens[gpu:gpu_rows].fill_(1)
+            self.block_table[:gpu, :width].copy_(meta.gpu_block_table, non_blocking=True)
+            self.block_table[gpu:gpu_rows].zero_()
+
+    @staticmethod
+    def real_rows(hidden: torch.Tensor, inputs: BatchInputs, gpu_rows: int) -> list[torch.Tensor]:
+        meta = inputs.metadata
+        return [hidden[:meta.num_gpu_decodes], hidden[gpu_rows:gpu_rows + meta.num_cpu_decodes]]
+
+
+class PipelineGraphs:
+    """Captured decode-only iterations with host decodes, keyed by padded shape."""
+
+    def __init__(self, model, executor: PipelineExecutor, max_decodes: int, max_context: int,
+                 block_size: int, device: torch.device, capacity: int = DEFAULT_CAPACITY):
+        if not executor.stream_ordered_host_work:
+            raise ValueError("pipeline graphs need the stream-ordered host stage (CUDA and the ISPC kernels)")
+        self.model = model
+        self.executor = executor
+        self.device = device
+        self.capacity = capacity
+        self.sizes = padded_counts(max_decodes)
+        self.max_blocks = graph_block_width(max_context, block_size)
+        largest = self.sizes[-1]
+        self.inputs = [StaticInputs(2 * largest, largest, self.max_blocks, device)
+                       for _ in range(len(executor.stages))]
+        self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
+        self.pool = None
+        self.enabled = True
+
+    def shape(self, batches: list[BatchInputs]) -> tuple[tuple[int, int], ...] | None:
+        """The padded ``((G, C), ...)`` a plan's sub-batches replay with; None when the plan is
+        not a decode-only iteration with host decodes within the captured limits. (Swaps are
+        the caller's to exclude.)"""
+        if not self.enabled or not 1 <= len(batches) <= len(self.inputs):
+            return None
+        return graph_shape([inputs.metadata for inputs in batches], self.sizes, self.max_blocks)
+
+    @torch.inference_mode()
+    def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
+        """Replay ``shape`` (from ``shape``) for the plan; returns float32 logits ``[requests,
+        vocab]`` in batch order, or None when the capture failed (run the plan eagerly)."""
+        capture = self.captures.get(shape)
+        if capture is None:
+            capture = self._capture(shape)
+            if capture is None:
+                return None
+        self.captures.move_to_end(shape)
+        self.executor.prepare([inputs.metadata for inputs in batches])
+        for static, inputs, (gpu_rows, cpu_rows) in zip(self.inputs, batches, shape):
+            static.load(inputs, gpu_rows, cpu_rows)
+        capture.graph.replay()
+        self.executor.end(capture.wait_events)
+        rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
+                for row in static.real_rows(hidden, inputs, gpu_rows)]
+        return self.model.compute_logits(torch.cat(rows))
+
+    def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
+        while len(self.captures) >= self.capacity:
+            self.captures.popitem(last=False)
+        metadata = [static.metadata(gpu_rows, cpu_rows, self.device)
+                    for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
+        input_ids = [static.input_ids[:gpu_rows + cpu_rows] for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
+        graph = torch.cuda.CUDAGraph()
+        self.executor.take_wait_events()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                hidden = self.executor.forward_all_rows(input_ids, metadata)
+        except RuntimeError as error:
+            self.enabled = False
+            self.captures.clear()
+            logger.warning("capturing the pipelined decode iteration %s as a CUDA graph failed (%s): "
+                           "these iterations run eagerly from now on", shape, error)
+            return None
+        self.pool = graph.pool()
+        capture = _Capture(graph, hidden, self.executor.take_wait_events())
+        self.captures[shape] = capture
+        logger.info("captured a pipelined decode CUDA graph for (GPU, host) rows %s", shape)
+        return capture

@@ -1,0 +1,82 @@
+"""Which plans replay a pipeline CUDA graph, and how a replay's inputs are laid out in the
+captured rows (the parts of ``neo.pipeline_graphs`` that need no GPU; the replays themselves
+are checked against transformers in test_gpu_engine.py)."""
+
+import pytest
+import torch
+
+from neo.batch_inputs import build_batch_inputs
+from neo.pipeline_graphs import StaticInputs, graph_shape, padded, padded_counts
+from neo.request import KVLocation, Request
+from neo.sampling_params import SamplingParams
+from neo.scheduler_output import SubBatch
+
+BLOCK_SIZE = 4
+SIZES = padded_counts(8)
+MAX_BLOCKS = 6
+
+
+def decoding(name: str, length: int, location: KVLocation, first_block: int) -> Request:
+    """A request of ``length`` tokens about to decode its last one, blocks from ``first_block``."""
+    request = Request(name, list(range(10, 10 + length)), SamplingParams(max_tokens=4))
+    request.location = location
+    request.block_table = list(range(first_block, first_block + -(-length // BLOCK_SIZE)))
+    request.num_cached_tokens = length - 1
+    return request
+
+
+def inputs_of(gpu_lengths, cpu_lengths, prefill_lengths=()):
+    batch = SubBatch(
+        prefills=[decoding(f"p{i}", n, KVLocation.GPU, 40 + 8 * i) for i, n in enumerate(prefill_lengths)],
+        gpu_decodes=[decoding(f"g{i}", n, KVLocation.GPU, 8 * i) for i, n in enumerate(gpu_lengths)],
+        cpu_decodes=[decoding(f"c{i}", n, KVLocation.CPU, 8 * i) for i, n in enumerate(cpu_lengths)])
+    for request in batch.prefills:
+        request.num_cached_tokens = 0
+    return build_batch_inputs(batch, BLOCK_SIZE, torch.device("cpu"))
+
+
+def test_padded_counts_are_powers_of_two_and_the_largest():
+    assert padded_counts(8) == [0, 1, 2, 4, 8]
+    assert padded_counts(12) == [0, 1, 2, 4, 8, 12]
+    assert padded_counts(1) == [0, 1]
+    assert [padded(n, padded_counts(12)) for n in (0, 1, 3, 5, 9, 12)] == [0, 1, 4, 8, 12, 12]
+
+
+def test_decode_only_plans_with_host_decodes_have_a_shape():
+    two = [inputs_of([5, 9, 3], [7, 2]).metadata, inputs_of([], [6, 6, 6]).metadata]
+    assert graph_shape(two, SIZES, MAX_BLOCKS) == ((4, 2), (0, 4))
+    assert graph_shape([inputs_of([], [5]).metadata], SIZES, MAX_BLOCKS) == ((0, 1),)
+
+
+@pytest.mark.parametrize("case", ["prefill", "gpu-only", "too-wide", "too-many"])
+def test_other_plans_run_eagerly(case):
+    metadata = {
+        "prefill": [inputs_of([5], [7], prefill_lengths=[6]).metadata],
+        "gpu-only": [inputs_of([5, 6], []).metadata],
+        "too-wide": [inputs_of([MAX_BLOCKS * BLOCK_SIZE + 1], [7]).metadata],  # GPU table of 7 blocks
+        "too-many": [inputs_of([], [3] * 9).metadata],
+    }[case]
+    assert graph_shape(metadata, SIZES, MAX_BLOCKS) is None
+
+
+def test_static_inputs_lay_out_gpu_then_host_rows_with_padding():
+    static = StaticInputs(rows=16, gpu_rows=8, max_blocks=MAX_BLOCKS, device=torch.device("cpu"))
+    wide = inputs_of([5, 9, 3, 4, 6], [7, 2, 8])  # fills more rows first: stale values to overwrite
+    static.load(wide, gpu_rows=8, cpu_rows=4)
+    inputs = inputs_of([5, 9, 3], [7, 2])
+    static.load(inputs, gpu_rows=4, cpu_rows=2)
+    meta = inputs.metadata
+    assert static.input_ids[:3].tolist() == inputs.input_ids[:3].tolist()
+    assert static.input_ids[4:6].tolist() == inputs.input_ids[3:].tolist()
+    assert static.positions[:3].tolist() == [4, 8, 2] and static.positions[4:6].tolist() == [6, 1]
+    # GPU slots for the real GPU rows; nothing stored for padding and host rows.
+    assert static.slot_mapping[:3].tolist() == meta.slot_mapping[:3].tolist()
+    assert static.slot_mapping[3:6].tolist() == [-1, -1, -1]
+    assert static.seq_lens[:4].tolist() == [5, 9, 3, 1]
+    assert static.block_table[:3, :3].tolist() == meta.gpu_block_table.tolist()
+    assert static.block_table[3].tolist() == [0] * MAX_BLOCKS
+    captured = static.metadata(gpu_rows=4, cpu_rows=2, device=torch.device("cpu"))
+    assert (captured.num_gpu_decodes, captured.num_cpu_decodes, captured.num_tokens) == (4, 2, 6)
+    hidden = torch.arange(6).unsqueeze(1)
+    real = torch.cat(StaticInputs.real_rows(hidden, inputs, gpu_rows=4))
+    assert real.flatten().tolist() == [0, 1, 2, 4, 5]  # in the plan's request order
