@@ -21,7 +21,8 @@ go to the GPU pool while it has room, the overflow to the host pool. Each iterat
    Per layer the pipeline overlaps GPU work of one sub-batch with host attention of the other
    (see ``executor.py``), so with stage times from the ``PerfModel`` an iteration takes about
    ``max(lin(1), cpu(0)) + max(lin(0) + gpu(0), cpu(1))``, the GPU side stretched by the
-   pipeline's own overhead (``PerfModel.two_batch_time``).
+   pipeline's own overhead (``PerfModel.two_batch_time``): the eager one, or for a decode-only
+   iteration without swaps, which the runner replays from a CUDA graph, the graph's.
    Host requests are taken oldest first (round robin); each goes to the sub-batch where the
    estimated time grows least, and the ``neo`` policy keeps the number of them that gives the
    highest estimated tokens per second, zero meaning the GPU-only plan (batch 0 alone). With
@@ -245,12 +246,13 @@ class OffloadScheduler(Scheduler):
             return batch1
         placement = _Placement()
         work0 = self._gpu_work(batch0)
+        graphed = self._replays_pipeline_graph(batch0, swaps)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
         best_rate = (base_tokens / (self._sequential_time(batch0, work0, swaps=swaps) + EPSILON)
                      if base_tokens else -1.0)
         for count, request in enumerate(ordered, start=1):
-            rate = (base_tokens + count) / (self._place(work0, placement, request) + EPSILON)
+            rate = (base_tokens + count) / (self._place(work0, placement, request, graphed) + EPSILON)
             if rate > best_rate or (must_decode and best_count == 0):
                 best_count, best_rate = count, rate
         if self.full_offload:
@@ -300,10 +302,11 @@ class OffloadScheduler(Scheduler):
         alone_time = gpu_time + model.iteration_overhead if graph_time is None else graph_time
         gpu_rate = gpu_count / (alone_time + EPSILON) if gpu_count else -1.0
         host_context = sum(r.num_tokens for r in host_requests)
+        graphed = self.config.use_cuda_graphs and mean_length <= self.config.cuda_graph_max_context
 
         def rate(requests: int, context: int) -> float:
             time = model.two_batch_time(gpu_time, 0.0, model.linear(requests), 0.0,
-                                        self._host_attention(requests, context))
+                                        self._host_attention(requests, context), graphed=graphed)
             return (gpu_count + requests) / (time + EPSILON)
 
         current = rate(len(host_requests), host_context) if host_requests else -1.0
@@ -317,15 +320,15 @@ class OffloadScheduler(Scheduler):
         best_more = max(more, default=-1.0)
         return max(current, best_more) > gpu_rate, best_more > max(current, gpu_rate)
 
-    def _place(self, work0: _GpuWork, placement: _Placement, request: Request) -> float:
+    def _place(self, work0: _GpuWork, placement: _Placement, request: Request, graphed: bool) -> float:
         """Put one more host decode in the sub-batch where the estimated iteration time grows
         least (ties, e.g. with a zero perf model, keep about a third of them in batch 0).
-        Returns the estimated iteration time with it."""
+        Returns the estimated iteration time with it (``graphed``: replayed from a graph)."""
         best = None
         for side in (1, 0):
             sizes = placement.sizes(add_to=side, tokens=request.num_tokens)
             balance = 0 if (side == 1) == (2 * len(placement.batch0) >= len(placement.batch1)) else 1
-            candidate = (self._two_batch_time(work0, *sizes), balance, side)
+            candidate = (self._two_batch_time(work0, *sizes, graphed=graphed), balance, side)
             best = candidate if best is None or candidate < best else best
         placement.add(best[2], request)
         return best[0]
@@ -340,16 +343,17 @@ class OffloadScheduler(Scheduler):
                         + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
     def _two_batch_time(self, work0: _GpuWork, requests0: int, context0: int,
-                        requests1: int, context1: int) -> float:
+                        requests1: int, context1: int, graphed: bool) -> float:
         return self._two_batch_seconds(work0, requests0, requests1, self._host_attention(requests0, context0),
-                                       self._host_attention(requests1, context1))
+                                       self._host_attention(requests1, context1), graphed)
 
     def _two_batch_seconds(self, work0: _GpuWork, requests0: int, requests1: int, host0: float,
-                           host1: float) -> float:
-        """A two-sub-batch iteration with that many host decodes and host seconds per side."""
+                           host1: float, graphed: bool) -> float:
+        """A two-sub-batch iteration with that many host decodes and host seconds per side
+        (``graphed``: replayed from a pipeline graph)."""
         model = self.perf_model
         return model.two_batch_time(model.linear(work0.linear_tokens + requests0), work0.attention_seconds,
-                                    model.linear(requests1), host0, host1)
+                                    model.linear(requests1), host0, host1, graphed=graphed)
 
     def _host_attention(self, num_requests: int, context_tokens: int) -> float:
         """Host attention seconds of that many decodes: the profile's, corrected."""
@@ -377,19 +381,30 @@ class OffloadScheduler(Scheduler):
         graph (see ``DecodeGraphs.can_run``); None for any other sub-batch."""
         if batch.prefills or batch.cpu_decodes or not batch.gpu_decodes or not self.config.use_cuda_graphs:
             return None
-        widest = max(len(request.block_table) for request in batch.gpu_decodes)
-        if widest > graph_block_width(self.config.cuda_graph_max_context, self.block_manager.block_size):
+        if not self._gpu_tables_fit_graphs(batch):
             return None
         return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
+
+    def _gpu_tables_fit_graphs(self, batch: SubBatch) -> bool:
+        """Whether the GPU decodes' block tables are within the graphs' captured width."""
+        widest = max((len(request.block_table) for request in batch.gpu_decodes), default=0)
+        return widest <= graph_block_width(self.config.cuda_graph_max_context, self.block_manager.block_size)
+
+    def _replays_pipeline_graph(self, batch0: SubBatch, swaps: bool) -> bool:
+        """Whether a two-sub-batch plan with this batch 0 is one the runner replays from a
+        pipeline graph (decode-only, no swaps; see ``PipelineGraphs.shape``)."""
+        return (self.config.use_cuda_graphs and not swaps and not batch0.prefills
+                and self._gpu_tables_fit_graphs(batch0))
 
     def _estimate(self, plan: SchedulerOutput) -> tuple[float, float]:
         """(estimated seconds of a plan, of which host attention)."""
         host = [self._host_time(batch) for batch in plan.sub_batches]
+        swaps = bool(plan.swap_in or plan.swap_out)
         if len(plan.sub_batches) == 2:
             batch0, batch1 = plan.sub_batches
             seconds = self._two_batch_seconds(self._gpu_work(batch0), len(batch0.cpu_decodes),
-                                              len(batch1.cpu_decodes), host[0], host[1])
+                                              len(batch1.cpu_decodes), host[0], host[1],
+                                              self._replays_pipeline_graph(batch0, swaps))
         else:
-            swaps = bool(plan.swap_in or plan.swap_out)
             seconds = self._sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
         return seconds, sum(host)

@@ -9,7 +9,10 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
   count a row of (context tokens, seconds) points, interpolated within each row, then
   across the rows.
 - ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
-  (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration.
+  (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration;
+  ``pipeline_graph_overhead`` the same for a decode-only two-sub-batch iteration replayed from
+  a CUDA graph (``PipelineGraphs``): no launches, so it may be negative (the replay runs
+  faster than the eagerly timed stages add up to).
 - ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
   requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
   empty where the engine has no graphs). Longer contexts add their extra GPU attention time.
@@ -71,6 +74,7 @@ class PerfTable:
     cpu_attention_tokens: list[list[float]] = field(default_factory=list)  # [requests][points]
     cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][points]
     pipeline_overhead: float = 0.0
+    pipeline_graph_overhead: float = 0.0
     iteration_overhead: float = 0.0
     graph_decode_requests: list[float] = field(default_factory=list)
     graph_decode_seconds: list[float] = field(default_factory=list)
@@ -137,14 +141,14 @@ class PerfModel:
         return interpolate(requests, self.table.graph_decode_seconds, num_requests) + extra_attention
 
     def two_batch_time(self, linear0: float, gpu0: float, linear1: float, cpu0: float, cpu1: float,
-                       pipeline_overhead: float | None = None) -> float:
-        """Seconds of a two-sub-batch iteration from its stage times (see the module docstring)."""
-        half = (self.pipeline_overhead if pipeline_overhead is None else pipeline_overhead) / 2
+                       pipeline_overhead: float | None = None, graphed: bool = False) -> float:
+        """Seconds of a two-sub-batch iteration from its stage times (see the module docstring);
+        ``graphed``: replayed from a pipeline graph (its overhead), unless ``pipeline_overhead``
+        is given."""
+        if pipeline_overhead is None:
+            pipeline_overhead = self.table.pipeline_graph_overhead if graphed else self.table.pipeline_overhead
+        half = pipeline_overhead / 2
         return max(linear1 + half, cpu0) + max(linear0 + gpu0 + half, cpu1) + self.iteration_overhead
-
-    @property
-    def pipeline_overhead(self) -> float:
-        return self.table.pipeline_overhead
 
     @property
     def iteration_overhead(self) -> float:

@@ -12,6 +12,7 @@ blocks consecutive):
   time), so the figure is what the engine's host work costs, hand-off included;
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
   what the tables above predict for them (launches, hand-offs, copies, input preparation);
+  pipeline_graph_overhead: the same two-sub-batch plan replayed from a pipeline CUDA graph;
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
@@ -44,7 +45,7 @@ from .scheduler_output import SchedulerOutput, SubBatch
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 5
+PROFILE_METHOD = 6
 
 
 def cache_directory() -> str:
@@ -205,7 +206,7 @@ class Profiler:
             model = PerfModel(table)
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
-            table.pipeline_overhead = self._pipeline_overhead(model)
+            table.pipeline_overhead, table.pipeline_graph_overhead = self._pipeline_overheads(model)
             progress.update(1)
             table.graph_decode_context = self._graph_decode_context()
             for requests in graph_points:
@@ -391,25 +392,44 @@ class Profiler:
             for request in requests:
                 self.engine.block_manager.free(request)
 
-    def _pipeline_overhead(self, model: PerfModel) -> float:
+    def _pipeline_overheads(self, model: PerfModel) -> tuple[float, float]:
+        """(eager, replayed from a pipeline graph) overheads of a small two-sub-batch decode
+        plan over its stage times; the graph's is the eager one where the engine has no
+        pipeline graphs."""
         if self.engine.layout.num_cpu_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
-            return 0.0
+            return 0.0, 0.0
         gpu = self._requests(KVLocation.GPU, [256])
         host = self._requests(KVLocation.CPU, [256, 256])
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:1]),
                                             SubBatch(cpu_decodes=host[1:])])
+        runner = self.engine.runner
+        graphs = runner.pipeline_graphs
         try:
-            measured = self._measure_plan(plan)
+            runner.pipeline_graphs = None
+            try:
+                eager = self._measure_plan(plan)
+            finally:
+                runner.pipeline_graphs = graphs
+            replayed = self._measure_plan(plan) if graphs is not None else eager
+            if graphs is not None and not runner.replayed_graph:
+                logger.warning("the pipelined decode plan did not replay a CUDA graph: its overhead "
+                               "is the eager one")
+                replayed = eager
         finally:
             for request in gpu + host:
                 self.engine.block_manager.free(request)
         stages = (model.linear(2), model.gpu_attention(256), model.linear(1), model.cpu_attention(1, 256),
                   model.cpu_attention(1, 256))
-        # The overhead that makes the model's two-sub-batch time equal the measured one (the
-        # time grows with the overhead; none if the stages alone already take that long).
-        low, high = 0.0, measured
+        return (self._overhead_for(model, stages, eager, lowest=0.0),
+                self._overhead_for(model, stages, replayed, lowest=-replayed))
+
+    @staticmethod
+    def _overhead_for(model: PerfModel, stages: tuple, measured: float, lowest: float) -> float:
+        """The overhead (at least ``lowest``) that makes the model's two-sub-batch time of
+        ``stages`` equal the measured one (the time grows with the overhead)."""
+        low, high = lowest, measured
         if model.two_batch_time(*stages, pipeline_overhead=low) >= measured:
-            return 0.0
+            return low
         for _ in range(50):
             middle = (low + high) / 2
             low, high = (middle, high) if model.two_batch_time(*stages, pipeline_overhead=middle) < measured else (low, middle)

@@ -12,7 +12,7 @@ from neo.offload_scheduler import OffloadScheduler
 from neo.perf_model import HostTimeCalibration, PerfModel, PerfTable
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
-from neo.scheduler_output import SubBatch
+from neo.scheduler_output import SchedulerOutput, SubBatch
 
 from test_block_manager import check_pools
 
@@ -263,6 +263,36 @@ def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
     else:
         assert plan.predicted_time > 2 * graph
         assert bool(plan.swap_in) == (case == "swap")
+
+
+@pytest.mark.parametrize("case", ["graph", "prefill", "swap", "no-graphs"])
+def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhead(case):
+    """The runner replays decode-only two-sub-batch plans without swaps from a pipeline graph:
+    their estimate takes the graph's pipeline overhead, any other the eager one."""
+    model = synthetic_model(1e-4, 1e-7, 1e-6)
+    model.table.pipeline_overhead, model.table.pipeline_graph_overhead = 0.05, -0.002
+    config = EngineConfig(policy="neo", block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
+                          use_cuda_graphs=case != "no-graphs")
+    manager = BlockManager(64, 64, 16)
+    scheduler = OffloadScheduler(config, manager, model, num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
+    gpu, host0, host1 = requests_of(3, prompt_len=40, max_tokens=10)
+    for request, location in ((gpu, GPU), (host0, CPU), (host1, CPU)):
+        manager.allocate(request, location)
+        request.num_cached_tokens = request.num_tokens - 1
+    batch0 = SubBatch(gpu_decodes=[gpu], cpu_decodes=[host0])
+    if case == "prefill":
+        late = Request("late", [1] * 20, SamplingParams(max_tokens=2))
+        manager.allocate(late, GPU)
+        batch0.prefills.append(late)
+    plan = SchedulerOutput(sub_batches=[batch0, SubBatch(cpu_decodes=[host1])],
+                           swap_in=[(0, 1)] if case == "swap" else [])
+    seconds, host_seconds = scheduler._estimate(plan)
+    overhead = -0.002 if case == "graph" else 0.05
+    work0 = scheduler._gpu_work(batch0)
+    host = model.cpu_attention(1, 40)
+    assert host_seconds == pytest.approx(2 * host)
+    assert seconds == pytest.approx(model.two_batch_time(model.linear(work0.linear_tokens + 1), work0.attention_seconds,
+                                                         model.linear(1), host, host, pipeline_overhead=overhead))
 
 
 def test_full_offload_decodes_every_host_request_every_iteration():

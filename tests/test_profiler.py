@@ -7,6 +7,7 @@ import pytest
 from neo import EngineConfig, LLMEngine
 from neo.cli import main as cli_main
 from neo.perf_model import PerfModel, PerfTable, interpolate
+from neo.profiler import Profiler
 
 SMALL = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.02, max_num_batched_tokens=256, max_num_seqs=16)
 
@@ -37,6 +38,25 @@ def test_graph_decode_adds_the_extra_attention_of_longer_contexts():
     assert model.graph_decode(5, 100) == pytest.approx(7.0)  # shorter contexts cost no less
     assert model.graph_decode(10, 500) is None  # beyond the largest captured batch
     assert PerfModel(PerfTable()).graph_decode(1, 1) is None
+
+
+def test_two_batch_time_takes_the_graph_overhead_for_graph_replays():
+    table = PerfTable(pipeline_overhead=0.4, pipeline_graph_overhead=-0.1, iteration_overhead=0.05)
+    model = PerfModel(table)
+    # max(linear1 + o/2, cpu0) + max(linear0 + gpu0 + o/2, cpu1) + iteration overhead
+    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3) == pytest.approx(1.2 + 1.7 + 0.05)
+    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3, graphed=True) == pytest.approx(0.95 + 1.45 + 0.05)
+    assert model.two_batch_time(1.0, 0.5, 1.0, 2.0, 0.3, graphed=True) == pytest.approx(2.0 + 1.45 + 0.05)
+    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3, pipeline_overhead=0.0, graphed=True) == pytest.approx(2.55)
+
+
+@pytest.mark.parametrize("measured, lowest, expected", [(3.0, 0.0, 0.8), (2.0, 0.0, 0.0), (2.0, -2.0, -0.2)])
+def test_pipeline_overhead_makes_the_model_meet_the_measured_time(measured, lowest, expected):
+    """The overhead solved for a measured two-sub-batch iteration; one faster than its stages
+    add up to gets a negative overhead where allowed (graph replays), else none."""
+    model = PerfModel(PerfTable())
+    stages = (1.0, 0.2, 1.0, 0.1, 0.1)  # 2.2 s of stages, host attention hidden
+    assert Profiler._overhead_for(model, stages, measured, lowest) == pytest.approx(expected, abs=1e-9)
 
 
 def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
