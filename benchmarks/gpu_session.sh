@@ -10,7 +10,8 @@
 #   sanitizer    compute-sanitizer memcheck over the attention, KV-store and swap CUDA tests
 #   kernels      CUDA kernel benchmark (vs SDPA, vs copy bandwidth) and the CPU decode-attention
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
-#   engine-tests the engine on CUDA: float32 tokens vs CPU and transformers, bf16 logits
+#   engine-tests the engine on CUDA: the host stage and pipeline graphs, float32 tokens vs CPU and
+#                transformers, bf16 logits
 #   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
 #   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes;
 #                HANDOFF_MODELS, HANDOFF_ARGS)
@@ -103,7 +104,8 @@ stage_kernels() {
 }
 
 stage_engine_tests() {
-  run engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py
+  run engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_host_stage.py tests/test_pipeline_graphs.py \
+    tests/test_gpu_engine.py --junitxml="$out/files/engine-tests.xml"
 }
 
 stage_engine() {

@@ -10,7 +10,8 @@ model, pools and host functions):
   decodes, per layer the host function's time between events on the copy stream;
 - ``pipelined``: the requests split over two sub-batches beside one GPU decode (the two-sub-
   batch pipeline), host time per layer and sub-batch, the iteration's wall time and the time
-  the launching thread took to queue it (until ``execute``'s ``on_launched``);
+  the launching thread took to queue it (until ``execute``'s ``on_launched``), queued eagerly
+  layer by layer and, where the engine has pipeline graphs, replayed from a CUDA graph;
 - ``gpu pair``: the same two sub-batch sizes as GPU decodes of one block each (the pipeline's
   GPU work and launches with no host work), wall and launch time.
 
@@ -116,7 +117,17 @@ def measure(engine: LLMEngine, count: int, length: int, repeats: int, trace_path
                                                 repeats)
         pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:half]),
                                                  SubBatch(cpu_decodes=host[half:] or host[:1])])
-        pipelined_host, pipelined_wall, pipelined_launch = time_plan(engine, pipelined, repeats)
+        graphs = engine.runner.pipeline_graphs
+        engine.runner.pipeline_graphs = None
+        try:
+            pipelined_host, pipelined_wall, pipelined_launch = time_plan(engine, pipelined, repeats)
+        finally:
+            engine.runner.pipeline_graphs = graphs
+        graphed = None
+        if graphs is not None:
+            graphed = time_plan(engine, pipelined, repeats)
+            if not engine.runner.replayed_graph:
+                raise RuntimeError(f"the pipelined {count} x {length} plan did not replay a pipeline graph")
         gpu_pair = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu + pair[:half]),
                                                 SubBatch(gpu_decodes=pair[half:])])
         _, pair_wall, pair_launch = time_plan(engine, gpu_pair, repeats)
@@ -134,6 +145,9 @@ def measure(engine: LLMEngine, count: int, length: int, repeats: int, trace_path
         "pipelined_us_per_layer_and_sub_batch": pipelined_host / (2 * layers) * 1e6,
         "pipelined_iteration_ms": pipelined_wall * 1e3,
         "pipelined_launch_ms": pipelined_launch * 1e3,
+        "graphed_us_per_layer_and_sub_batch": graphed[0] / (2 * layers) * 1e6 if graphed else None,
+        "graphed_iteration_ms": graphed[1] * 1e3 if graphed else None,
+        "graphed_launch_ms": graphed[2] * 1e3 if graphed else None,
         "gpu_pair_iteration_ms": pair_wall * 1e3,
         "gpu_pair_launch_ms": pair_launch * 1e3,
     }
@@ -175,6 +189,10 @@ def main() -> None:
                   f"{result['pipelined_iteration_ms']:6.1f} ms (launch {result['pipelined_launch_ms']:5.1f}) | "
                   f"gpu pair {result['gpu_pair_iteration_ms']:6.1f} ms (launch {result['gpu_pair_launch_ms']:5.1f})",
                   flush=True)
+            if result["graphed_iteration_ms"] is not None:
+                print(f"             graphed: {result['graphed_us_per_layer_and_sub_batch']:7.0f} us/layer/sub-batch, "
+                      f"iteration {result['graphed_iteration_ms']:6.1f} ms (launch {result['graphed_launch_ms']:5.1f})",
+                      flush=True)
     finally:
         engine.close()
     report = {"device": device_name(engine.device), "model": args.model,
