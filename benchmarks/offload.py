@@ -18,7 +18,10 @@ trace of the offloading policies it also reports the scheduler's accuracy (media
 host attention time (decode-only iterations: a check of the profiled table, which the
 scheduler corrects online), and, for
 two-sub-batch iterations, how much of the host attention hid under GPU work (1 - GPU idle /
-host busy) and the GPU idle time.
+host busy) and the GPU idle time; for the host batches of the async host pipeline
+(``--host-pipelines lockstep,async`` runs each offloading policy both ways), their number,
+prediction error, and how much of their host attention hid under GPU work (1 - the time steps
+with no GPU work waited for them / host busy).
 
     python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
 """
@@ -54,12 +57,18 @@ SCENARIOS = {
 }
 
 
-def trace_statistics(records: list[dict]) -> dict:
-    """Scheduler accuracy and overlap from an engine's per-iteration trace."""
+def trace_statistics(trace: list[dict]) -> dict:
+    """Scheduler accuracy and overlap from an engine's per-iteration trace (iterations, and the
+    host batches of the async host pipeline)."""
     def prediction_errors(selected: list[dict]) -> list[float]:
         return [abs(r["predicted_seconds"] - r["measured_seconds"]) / r["measured_seconds"]
                 for r in selected if r["predicted_seconds"] and r["measured_seconds"] > 0]
 
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    records = [r for r in trace if not r["host_batch"]]
+    host_batches = [r for r in trace if r["host_batch"]]
     errors = prediction_errors(records)
     two = [r for r in records if r["num_sub_batches"] == 2 and r["gpu_busy_seconds"] is not None]
     one = [r for r in records if r["num_sub_batches"] == 1 and r["gpu_busy_seconds"] is not None]
@@ -68,7 +77,7 @@ def trace_statistics(records: list[dict]) -> dict:
         return max(0.0, record["measured_seconds"] - record["gpu_busy_seconds"])
 
     host_busy = sum(r["cpu_busy_seconds"] for r in two)
-    host_ratios = [r["cpu_busy_seconds"] / r["profiled_cpu_seconds"] for r in records
+    host_ratios = [r["cpu_busy_seconds"] / r["profiled_cpu_seconds"] for r in trace
                    if r["cpu_decodes"] and not r["prefill_tokens"] and r["profiled_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
     gpu_idle_two = sum(idle(r) for r in two)
 
@@ -82,12 +91,21 @@ def trace_statistics(records: list[dict]) -> dict:
     graphed = [r for r in decode_only if r["graph_replayed"]]
     eager = [r for r in decode_only if not r["graph_replayed"]]
     graph_errors = prediction_errors(graphed)
+    # A host batch's attention hides under GPU work unless the engine had no GPU work and
+    # waited for the batch.
+    batch_host_busy = sum(r["cpu_busy_seconds"] for r in host_batches)
+    batch_waits = sum(r["host_batch_wait_seconds"] for r in host_batches)
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
-        "median_relative_prediction_error": statistics.median(errors) if errors else None,
-        "median_host_measured_over_profiled": statistics.median(host_ratios) if host_ratios else None,
+        "median_relative_prediction_error": median(errors),
+        "median_host_measured_over_profiled": median(host_ratios),
         "hidden_host_attention_share": (max(0.0, 1 - gpu_idle_two / host_busy) if host_busy else None),
+        "host_batches": len(host_batches),
+        "host_batch_median_relative_prediction_error": median(prediction_errors(host_batches)),
+        "host_batch_hidden_share": max(0.0, 1 - batch_waits / batch_host_busy) if batch_host_busy else None,
+        "median_host_batch_s": median([r["measured_seconds"] for r in host_batches]),
+        "median_host_batch_requests": median([r["cpu_decodes"] for r in host_batches]),
         "gpu_idle_fraction_two_batch": gpu_idle_two / sum(r["measured_seconds"] for r in two) if two else None,
         "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
                                         if one else None),
@@ -102,8 +120,14 @@ def trace_statistics(records: list[dict]) -> dict:
     }
 
 
+def policy_label(config: EngineConfig) -> str:
+    """The policy, with ``/async`` under the async host pipeline."""
+    return config.policy + ("/async" if config.policy != "gpu-only" and config.host_pipeline == "async" else "")
+
+
 def save_trace(directory: str, config: EngineConfig, workload: str, records: list[dict]) -> str:
-    name = f"trace-{config.policy}-{config.cpu_attention_threads or 'all'}-{workload.replace(':', '-').replace(',', '-')}"
+    name = (f"trace-{policy_label(config).replace('/', '-')}-{config.cpu_attention_threads or 'all'}-"
+            f"{workload.replace(':', '-').replace(',', '-')}")
     path = os.path.join(directory, name.replace("=", "") + ".json.gz")
     with gzip.open(path, "wt") as file:
         json.dump(records, file)
@@ -145,6 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
     parser.add_argument("--policies", default=None, help="comma-separated subset of gpu-only,neo,full-offload")
+    parser.add_argument("--host-pipelines", default="lockstep",
+                        help="comma-separated host pipelines (lockstep, async) to run each offloading policy with")
     parser.add_argument("--workloads", default=None, help="';'-separated workloads instead of the scenario's")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--duration", type=float, default=None, help="seconds per run at most")
@@ -180,20 +206,23 @@ def main() -> None:
     path = os.path.join(args.output_dir, f"offload-{args.scenario}.json")
     runs = report["runs"]
     # gpu-only runs no host attention: once, whatever the scenario's host thread counts.
-    runs_to_make = [(policy, threads) for policy in policies
-                    for threads in (scenario.get("threads", (None,)) if policy != "gpu-only" else (None,))]
-    for policy, threads in runs_to_make:
-        config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads)
-        print(f"{args.scenario}: {policy}" + (f", {threads} host threads" if threads else ""), flush=True)
+    pipelines = args.host_pipelines.split(",")
+    runs_to_make = [(policy, threads, pipeline) for policy in policies
+                    for threads in (scenario.get("threads", (None,)) if policy != "gpu-only" else (None,))
+                    for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])]
+    for policy, threads, pipeline in runs_to_make:
+        config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads, host_pipeline=pipeline)
+        label = policy_label(config)
+        print(f"{args.scenario}: {label}" + (f", {threads} host threads" if threads else ""), flush=True)
         for result in run_policy(config, workloads, args.num_requests, args.duration,
                                  args.output_dir if args.keep_traces else None):
-            runs.append({"policy": policy, "threads": threads, **result})
+            runs.append({"policy": label, "threads": threads, **result})
             report["device"] = result["device"]
             with open(path, "w") as file:  # after every run, so a cut-off sweep keeps its part
                 json.dump(report, file, indent=1, default=str)
     print(f"\n{args.scenario} on {report['device']} ({report['date']})")
-    print(f"{'workload':<34} {'policy':<13} {'thr':>4} {'steady tok/s':>13} {'vs gpu-only':>11} {'2-batch':>8} "
-          f"{'pred err':>9} {'host m/p':>9} {'hidden':>7}")
+    print(f"{'workload':<34} {'policy':<19} {'thr':>4} {'steady tok/s':>13} {'vs gpu-only':>11} {'2-batch':>8} "
+          f"{'host b.':>8} {'pred err':>9} {'b. err':>7} {'host m/p':>9} {'hidden':>7}")
     for run in runs:
         baseline = next((r for r in runs if r["policy"] == "gpu-only" and r["workload"] == run["workload"]), None)
         ratio = (run["steady_output_tokens_per_s"] / baseline["steady_output_tokens_per_s"]
@@ -202,12 +231,16 @@ def main() -> None:
         metrics = run["metrics"]
         share = metrics["two_batch_iterations"] / metrics["iterations"] if metrics["iterations"] else 0.0
         error = trace["median_relative_prediction_error"]
-        hidden = trace["hidden_host_attention_share"]
+        batch_error = trace["host_batch_median_relative_prediction_error"]
+        hidden = trace["hidden_host_attention_share"] if not trace["host_batches"] else trace["host_batch_hidden_share"]
         host_ratio = trace["median_host_measured_over_profiled"]
-        print(f"{run['workload']:<34} {run['policy']:<13} {run['threads'] or '-':>4} "
-              f"{run['steady_output_tokens_per_s']:13.1f} {ratio:11.2f} {share:8.2f} "
-              f"{'-' if error is None else f'{error:.3f}':>9} {'-' if host_ratio is None else f'{host_ratio:.2f}':>9} "
-              f"{'-' if hidden is None else f'{hidden:.2f}':>7}")
+
+        def shown(value, digits):
+            return "-" if value is None else f"{value:.{digits}f}"
+
+        print(f"{run['workload']:<34} {run['policy']:<19} {run['threads'] or '-':>4} "
+              f"{run['steady_output_tokens_per_s']:13.1f} {ratio:11.2f} {share:8.2f} {trace['host_batches']:8d} "
+              f"{shown(error, 3):>9} {shown(batch_error, 3):>7} {shown(host_ratio, 2):>9} {shown(hidden, 2):>7}")
     print(f"written {path}")
 
 

@@ -118,6 +118,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         f"  KV pools: GPU {result['gpu_kv_pool_gib']:.2f} GiB (peak used {result['gpu_kv_peak_gib']:.2f}), "
         f"host {result['cpu_kv_pool_gib']:.2f} GiB (peak used {result['cpu_kv_peak_gib']:.2f})\n"
         f"  iterations {metrics['iterations']}, two-sub-batch {metrics['two_batch_iterations']}, "
+        f"host batches {metrics['host_batches']}, "
         f"GPU decode tokens {metrics['gpu_decode_tokens']}, host decode tokens {metrics['cpu_decode_tokens']}, "
         f"swapped out/in {metrics['blocks_swapped_out']}/{metrics['blocks_swapped_in']} blocks")
     if owns_engine:

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-from .config import POLICIES, EngineConfig
+from .config import HOST_PIPELINES, POLICIES, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--cpu-attention-threads", type=int, default=None)
     group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false")
+    group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
+                       help="lockstep: host decodes in each iteration's two sub-batches; async: "
+                            "host decodes as their own batch beside the GPU's iterations")
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 POLICIES = ("gpu-only", "neo", "full-offload")
+HOST_PIPELINES = ("lockstep", "async")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -28,6 +29,10 @@ class EngineConfig:
     trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
         at most ``cuda_graph_max_context`` tokens.
+    host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
+        "lockstep" (each iteration's two sub-batches, the host decodes among them, go through the
+        layers together) or "async" (host decodes run as their own batch on a stream of their
+        own, which spans as many GPU iterations as its host attention takes).
     """
 
     model: str = "neo-tiny"
@@ -45,6 +50,7 @@ class EngineConfig:
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
     cuda_graph_max_context: int = 8192
+    host_pipeline: str = "lockstep"
     perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0
@@ -52,6 +58,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.host_pipeline not in HOST_PIPELINES:
+            raise ValueError(f"unknown host_pipeline {self.host_pipeline!r}; choose one of "
+                             f"{', '.join(HOST_PIPELINES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")

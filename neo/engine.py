@@ -7,11 +7,13 @@ from collections.abc import Callable
 
 import torch
 
+from .async_offload_scheduler import AsyncOffloadScheduler
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
 from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
+from .host_batches import HostBatchResult, HostBatchRunner
 from .kv_cache import GIB, CacheLayout, KVCache
 from .memory import gpu_kv_cache_bytes
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
@@ -27,6 +29,10 @@ from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# With no GPU work to run, a step waits this long at most for the host batch in flight, so that
+# a caller adding requests meanwhile (the server) gets them scheduled soon.
+HOST_BATCH_WAIT_SECONDS = 0.02
 
 
 class LLMEngine:
@@ -70,22 +76,32 @@ class LLMEngine:
                                     max_offload_tokens=config.max_num_batched_tokens,
                                     max_blocks_per_sequence=-(-self.max_model_len // config.block_size),
                                     measure_gpu_busy=config.trace_path is not None)
-        decode_graphs = pipeline_graphs = None
+        asynchronous = config.host_pipeline == "async" and self.worker is not None
+        graph_context = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             graph_context = min(self.max_model_len, config.cuda_graph_max_context)
+        decode_graphs = pipeline_graphs = host_batches = None
+        if graph_context is not None:
             decode_graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs, graph_context, self.device)
-            if executor.stream_ordered_host_work:
+            if executor.stream_ordered_host_work and not asynchronous:
                 pipeline_graphs = PipelineGraphs(self.model, executor, config.max_num_seqs, graph_context,
                                                  config.block_size, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs, pipeline_graphs)
+        if asynchronous:
+            host_batches = HostBatchRunner(self.model, self.kv_cache, self.worker, self.device, config.max_num_seqs,
+                                           -(-self.max_model_len // config.block_size), graph_context)
+        self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs, pipeline_graphs,
+                                  host_batches)
         if config.policy == "gpu-only":
             self.scheduler = Scheduler(config, self.block_manager)
         else:  # the profiler, when it runs, measures through the runner built above
-            self.scheduler = OffloadScheduler(config, self.block_manager, load_perf_model(config, self),
-                                              self.model_config.num_layers)
+            scheduler_class = AsyncOffloadScheduler if asynchronous else OffloadScheduler
+            self.scheduler = scheduler_class(config, self.block_manager, load_perf_model(config, self),
+                                             self.model_config.num_layers)
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}
+        self._host_batch_plan: SchedulerOutput | None = None  # the plan that launched the batch in flight
+        self._host_batch_wait_seconds = 0.0  # steps spent waiting for it
         self._request_counter = itertools.count()
         logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool "
                     "%d blocks (%.2f GiB)", self.model_config.name or config.model, self.device,
@@ -179,7 +195,8 @@ class LLMEngine:
         return len(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests still to finish, or a host batch still to collect (its blocks with it)."""
+        return self.scheduler.num_unfinished > 0 or self.runner.host_batch_in_flight
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -191,28 +208,39 @@ class LLMEngine:
         before the engine waits for it (at once when the plan is empty). A caller that hands
         out outputs on another thread (``neo.server``) passes the previous iteration's there,
         so that handing them out overlaps the device's work instead of delaying the launch.
+
+        Under the async host pipeline the step first launches the plan's host batch, if any,
+        and ends by collecting the host batch in flight if it has completed (waiting for it a
+        little when the plan had no GPU work); its requests' tokens are among the outputs.
         """
         scheduling_start = time.perf_counter()
         plan = self.scheduler.schedule()
         start = time.perf_counter()
         self.metrics.schedule_seconds += start - scheduling_start
+        if plan.host_batch is not None:
+            self._launch_host_batch(plan)
+        outputs = []
         if plan.is_empty:
             if on_launched is not None:
                 on_launched()
-            return []
-        try:
-            tokens = self.runner.execute(plan, on_launched)
-        except BaseException:
-            self._fail(plan)
-            raise
-        elapsed = time.perf_counter() - start
-        self.metrics.busy_seconds += elapsed
-        self._count(plan)
-        host_seconds = self._host_seconds()
-        self.scheduler.observe(plan, host_seconds)
-        if self.trace is not None:
-            self._record(plan, elapsed, host_seconds, start - scheduling_start)
-        return self._postprocess(plan, tokens)
+        else:
+            try:
+                tokens = self.runner.execute(plan, on_launched)
+            except BaseException:
+                self._fail(plan.requests)
+                raise
+            elapsed = time.perf_counter() - start
+            self._count(plan)
+            host_seconds = self._host_seconds()
+            self.scheduler.observe(plan, host_seconds)
+            if self.trace is not None:
+                self._record(plan, elapsed, host_seconds, start - scheduling_start)
+            outputs = self._postprocess(plan, tokens)
+        if self.runner.host_batch_in_flight:
+            outputs += self._collect_host_batch(HOST_BATCH_WAIT_SECONDS if plan.is_empty else 0.0)
+        if plan.host_batch is not None or not plan.is_empty:
+            self.metrics.busy_seconds += time.perf_counter() - start
+        return outputs
 
     def _host_seconds(self) -> float:
         """Host attention time of the iteration just executed."""
@@ -221,13 +249,46 @@ class LLMEngine:
         measured = self.runner.host_busy_seconds()
         return self.worker.take_busy_seconds() if measured is None else measured
 
-    def _fail(self, plan: SchedulerOutput) -> None:
-        """The iteration raised: end its requests (their KV may be half written) and give their
-        blocks back; every other request carries on."""
-        for request in plan.requests:
+    def _fail(self, requests: list[Request]) -> None:
+        """Their iteration (or host batch) raised: end them (their KV may be half written) and
+        give their blocks back; every other request carries on."""
+        for request in requests:
             if not request.is_finished:
                 logger.error("request %s ended: its iteration failed", request.request_id)
                 self.abort_request(request.request_id, reason="error")
+
+    # -- host batches (async host pipeline) ----------------------------------------------------
+
+    def _launch_host_batch(self, plan: SchedulerOutput) -> None:
+        self._host_batch_plan = plan
+        self._host_batch_wait_seconds = 0.0
+        try:
+            self.runner.launch_host_batch(plan)
+        except BaseException:
+            self._fail(self.scheduler.host_batch_done(None))
+            raise
+
+    def _collect_host_batch(self, wait_seconds: float) -> list[RequestOutput]:
+        """Hand out the host batch's tokens if it has completed (waiting up to ``wait_seconds``)."""
+        waited = time.perf_counter()
+        try:
+            result = self.runner.collect_host_batch(wait_seconds)
+        except BaseException:
+            self._fail(self.scheduler.host_batch_done(None))
+            raise
+        finally:
+            self._host_batch_wait_seconds += time.perf_counter() - waited
+        if result is None:
+            return []
+        requests = self.scheduler.host_batch_done(result.host_seconds)
+        self.metrics.host_batches += 1
+        self.metrics.cpu_decode_tokens += len(result.requests)
+        if self.trace is not None:
+            self._record_host_batch(result)
+        tokens = dict(zip(map(id, result.requests), result.tokens))
+        outputs = self._append_tokens([(request, tokens[id(request)]) for request in requests])
+        self.scheduler.remove_finished()
+        return outputs
 
     def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float, schedule_seconds: float) -> None:
         batches = [batch for batch in plan.sub_batches if batch]
@@ -242,6 +303,17 @@ class LLMEngine:
             cpu_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds(), schedule_seconds=schedule_seconds,
             graph_replayed=self.runner.replayed_graph))
+
+    def _record_host_batch(self, result: HostBatchResult) -> None:
+        plan = self._host_batch_plan
+        self.trace.add(IterationRecord(
+            iteration=self.metrics.iterations, num_sub_batches=1, prefill_tokens=0, gpu_decodes=0,
+            cpu_decodes=len(result.requests), predicted_seconds=plan.host_batch_predicted_time,
+            predicted_cpu_seconds=plan.host_batch_predicted_host_time,
+            profiled_cpu_seconds=plan.host_batch_profiled_host_time, measured_seconds=result.seconds,
+            cpu_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
+            graph_replayed=result.replayed_graph, host_batch=True,
+            host_batch_wait_seconds=self._host_batch_wait_seconds))
 
     def _count(self, plan: SchedulerOutput) -> None:
         metrics = self.metrics
@@ -265,7 +337,16 @@ class LLMEngine:
             self._requests.pop(request.request_id, None)
             self.metrics.requests_finished += 1
             outputs.append(self._output(request))
-        for request, token in zip(plan.requests, tokens):
+        outputs += self._append_tokens(zip(plan.requests, tokens))
+        self.scheduler.remove_finished()
+        self.metrics.preemptions = self.scheduler.num_preemptions
+        return outputs
+
+    def _append_tokens(self, pairs) -> list[RequestOutput]:
+        """Append each (request, sampled token) and finish the requests that are done."""
+        now = time.monotonic()
+        outputs = []
+        for request, token in pairs:
             request.num_cached_tokens = request.num_tokens
             request.append_token(token)
             if request.first_token_time is None:
@@ -278,8 +359,6 @@ class LLMEngine:
                 self._requests.pop(request.request_id, None)
                 self.metrics.requests_finished += 1
             outputs.append(self._output(request))
-        self.scheduler.remove_finished()
-        self.metrics.preemptions = self.scheduler.num_preemptions
         return outputs
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
@@ -318,6 +397,11 @@ class LLMEngine:
         return output
 
     def close(self) -> None:
+        if self.runner.host_batch_in_flight:  # its host functions use the pools freed below
+            try:
+                self.runner.collect_host_batch(wait_seconds=float("inf"))
+            except RuntimeError as error:
+                logger.warning("the host batch in flight at close failed: %s", error)
         if self.trace is not None:
             self.trace.save(self.config.trace_path)
         if self.worker is not None:

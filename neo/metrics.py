@@ -11,6 +11,7 @@ class EngineMetrics:
     iterations: int = 0
     two_batch_iterations: int = 0
     graph_iterations: int = 0  # replayed from a captured CUDA graph
+    host_batches: int = 0  # host batches of the async host pipeline completed
     prefill_tokens: int = 0
     gpu_decode_tokens: int = 0
     cpu_decode_tokens: int = 0
@@ -20,7 +21,7 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_aborted: int = 0
     output_tokens: int = 0
-    busy_seconds: float = 0.0  # executing plans
+    busy_seconds: float = 0.0  # in steps that launched or ran work, the scheduler's time aside
     schedule_seconds: float = 0.0  # in the scheduler
 
     def as_dict(self) -> dict:
@@ -44,6 +45,11 @@ class IterationRecord:
     gpu_busy_seconds: float | None
     schedule_seconds: float  # the scheduler's own time for this plan
     graph_replayed: bool  # replayed from a captured CUDA graph (decode-only, host decodes or not)
+    # A host batch of the async host pipeline (measured from its launch until its tokens were
+    # on the host, beside the iterations recorded meanwhile), and how long steps with no GPU
+    # work waited for it.
+    host_batch: bool = False
+    host_batch_wait_seconds: float | None = None
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """``ModelRunner``: executes a plan. It never decides anything."""
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -7,10 +8,13 @@ import torch
 from .batch_inputs import build_batch_inputs
 from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
+from .host_batches import HostBatchResult, HostBatchRunner
 from .kv_cache import KVCache
 from .pipeline_graphs import PipelineGraphs
 from .sampler import Sampler
 from .scheduler_output import SchedulerOutput
+
+HOST_BATCH_POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
 
 
 def _block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -21,13 +25,16 @@ class ModelRunner:
     """Builds each sub-batch's inputs, runs the executor, samples one token per request."""
 
     def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
-                 decode_graphs: DecodeGraphs | None = None, pipeline_graphs: PipelineGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, pipeline_graphs: PipelineGraphs | None = None,
+                 host_batches: HostBatchRunner | None = None):
+        """``host_batches``: runs the host batches of the async host pipeline (None: lockstep)."""
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
         self.device = device
         self.decode_graphs = decode_graphs
         self.pipeline_graphs = pipeline_graphs
+        self.host_batches = host_batches
         self.replayed_graph = False  # whether the last plan was replayed from a captured graph
         self._replayed_decode_graph = False  # ... from DecodeGraphs (no executor involved)
         self.block_size = kv_cache.layout.block_size
@@ -68,6 +75,26 @@ class ModelRunner:
         tokens = sampled.tolist()  # waits for the device
         self.executor.raise_host_failure()
         return tokens
+
+    def launch_host_batch(self, plan: SchedulerOutput) -> None:
+        """Launch the plan's host batch on its own stream (async host pipeline)."""
+        if self.host_batches is None:
+            raise RuntimeError("this engine runs no host batches (host_pipeline is not 'async')")
+        self.host_batches.launch(plan.host_batch)
+
+    @property
+    def host_batch_in_flight(self) -> bool:
+        return self.host_batches is not None and self.host_batches.in_flight
+
+    def collect_host_batch(self, wait_seconds: float) -> HostBatchResult | None:
+        """The host batch in flight once it has completed, waiting up to ``wait_seconds`` for
+        it; None if none is in flight or it is still running."""
+        if not self.host_batch_in_flight:
+            return None
+        deadline = time.perf_counter() + wait_seconds
+        while not self.host_batches.ready() and time.perf_counter() < deadline:
+            time.sleep(HOST_BATCH_POLL_SECONDS)
+        return self.host_batches.collect(wait=False)
 
     def gpu_busy_seconds(self) -> float | None:
         """GPU busy time of the last iteration, when the executor's work (queued or replayed

@@ -93,6 +93,16 @@ class _Placement:
 
 
 @dataclass
+class _SteadyGpuBatch:
+    """Batch 0 of a steady decode iteration (``OffloadScheduler._steady_gpu_batch``)."""
+
+    count: int  # GPU decodes
+    eager_time: float  # its stage times: beside host decodes it runs eagerly or in a pipeline graph
+    alone_time: float  # alone: a decode graph's replay where the engine has one
+    graphed: bool  # within the graphs' context
+
+
+@dataclass
 class _GpuWork:
     """Batch 0's GPU work apart from its host decodes: tokens through the linear stages and
     the seconds of its GPU (decode and prefill) attention."""
@@ -135,10 +145,7 @@ class OffloadScheduler(Scheduler):
             host_requests = self._move_to_gpu(host_requests, batch0, output)
             if not host_requests:
                 self._admit_prefills(batch0, budget)
-        batch1 = self._place_host_decodes(batch0, host_requests, swaps=bool(output.swap_in or output.swap_out))
-        output.sub_batches = [batch for batch in (batch0, batch1) if batch]
-        output.predicted_time, output.predicted_host_time = self._estimate(output)
-        output.profiled_host_time = output.predicted_host_time / self.host_calibration.scale
+        self._plan_host_decodes(batch0, host_requests, output)
         for request in output.requests:
             request.last_scheduled_iteration = self.iteration
         return output
@@ -152,16 +159,21 @@ class OffloadScheduler(Scheduler):
 
     # -- 1. decode slots ------------------------------------------------------------------------
 
+    def _plannable(self) -> list[Request]:
+        """The running requests this iteration may decode, evict or move (all of them here)."""
+        return self.running
+
     def _make_decode_slots(self, batch0: SubBatch, output: SchedulerOutput) -> list[Request]:
-        """Slots for every running request's next token, GPU pool first. GPU requests go into
+        """Slots for every plannable request's next token, GPU pool first. GPU requests go into
         ``batch0``; returns the host requests that got a slot (GPU requests evicted just now
         among them), oldest first."""
-        gpu_queue = [r for r in self.running if r.location is GPU]
+        plannable = self._plannable()
+        gpu_queue = [r for r in plannable if r.location is GPU]
         while gpu_queue:
             request = gpu_queue.pop(0)
             if self._make_slot(request, gpu_queue, output):
                 batch0.gpu_decodes.append(request)
-        host_queue = [r for r in self.running if r.location is CPU]
+        host_queue = [r for r in plannable if r.location is CPU]
         ready = []
         while host_queue:
             request = host_queue.pop(0)
@@ -223,6 +235,14 @@ class OffloadScheduler(Scheduler):
 
     # -- 4. host decodes -----------------------------------------------------------------------
 
+    def _plan_host_decodes(self, batch0: SubBatch, host_requests: list[Request], output: SchedulerOutput) -> None:
+        """Complete the plan with the host decodes (placed into the two sub-batches here) and
+        its estimates."""
+        batch1 = self._place_host_decodes(batch0, host_requests, swaps=bool(output.swap_in or output.swap_out))
+        output.sub_batches = [batch for batch in (batch0, batch1) if batch]
+        output.predicted_time, output.predicted_host_time = self._estimate(output)
+        output.profiled_host_time = output.predicted_host_time / self.host_calibration.scale
+
     def _place_host_decodes(self, batch0: SubBatch, host_requests: list[Request], swaps: bool) -> SubBatch:
         """Choose how many host requests decode (oldest first, round robin) and in which
         sub-batch each goes, by estimated tokens per second (``swaps``: the plan moves blocks
@@ -279,44 +299,53 @@ class OffloadScheduler(Scheduler):
     def _never_fits_gpu(self, request: Request) -> bool:
         return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)
 
-    def _host_decode_economics(self, gpu_requests: list[Request],
-                               host_requests: list[Request]) -> tuple[bool, bool]:
-        """(do host decodes pay, would more of them pay), judged on a steady decode iteration:
-        batch 0 the GPU pool full of requests of the running requests' mean length (no
-        prefills: an admitted request decodes for many iterations, most of them without
-        prefills to hide host work under), batch 1 the host requests. "Pay" means more
-        estimated tokens per second than batch 0 alone; "more" adds 1, 2, 4, ... requests like
-        the oldest waiting one, up to the sequence cap."""
+    def _steady_gpu_batch(self, gpu_requests: list[Request], host_requests: list[Request]) -> _SteadyGpuBatch:
+        """Batch 0 of a steady decode iteration: the GPU pool full of requests of the running
+        requests' mean length, no prefills (an admitted request decodes for many iterations,
+        most of them without prefills)."""
         model = self.perf_model
         running = gpu_requests + host_requests
         lengths = [r.num_tokens for r in running] or ([self.waiting[0].num_tokens] if self.waiting else [1])
         mean_length = sum(lengths) / len(lengths)
         pool_tokens = self.block_manager.num_total(GPU) * self.block_manager.block_size
-        gpu_count = max(len(gpu_requests), int(pool_tokens // mean_length))
-        gpu_context = max(sum(r.num_tokens for r in gpu_requests), int(gpu_count * mean_length))
-        gpu_time = model.linear(gpu_count) + model.gpu_attention(gpu_context) if gpu_count else 0.0
-        # Alone, that batch replays a CUDA graph where the engine has one for it; beside host
-        # decodes it runs eagerly (``gpu_time``).
-        graph_time = (model.graph_decode(gpu_count, gpu_context) if gpu_count and self.config.use_cuda_graphs
-                      and mean_length <= self.config.cuda_graph_max_context else None)
-        alone_time = gpu_time + model.iteration_overhead if graph_time is None else graph_time
-        gpu_rate = gpu_count / (alone_time + EPSILON) if gpu_count else -1.0
-        host_context = sum(r.num_tokens for r in host_requests)
+        count = max(len(gpu_requests), int(pool_tokens // mean_length))
+        context = max(sum(r.num_tokens for r in gpu_requests), int(count * mean_length))
+        eager_time = model.linear(count) + model.gpu_attention(context) if count else 0.0
+        # Alone, that batch replays a CUDA graph where the engine has one for it.
         graphed = self.config.use_cuda_graphs and mean_length <= self.config.cuda_graph_max_context
+        graph_time = model.graph_decode(count, context) if count and graphed else None
+        alone_time = eager_time + model.iteration_overhead if graph_time is None else graph_time
+        return _SteadyGpuBatch(count, eager_time, alone_time, graphed)
+
+    def _extra_requests(self) -> list[tuple[int, int]]:
+        """(requests, context tokens) of 1, 2, 4, ... more requests like the oldest waiting one,
+        up to the sequence cap (none when nothing waits)."""
+        if not self.waiting:
+            return []
+        length = self.waiting[0].num_tokens + 1
+        extras, extra = [], 1
+        while extra <= self.config.max_num_seqs - len(self.running):
+            extras.append((extra, extra * length))
+            extra *= 2
+        return extras
+
+    def _host_decode_economics(self, gpu_requests: list[Request],
+                               host_requests: list[Request]) -> tuple[bool, bool]:
+        """(do host decodes pay, would more of them pay), judged on a steady decode iteration
+        (``_steady_gpu_batch``) with the host requests as batch 1. "Pay" means more estimated
+        tokens per second than batch 0 alone; "more" adds requests (``_extra_requests``)."""
+        model = self.perf_model
+        steady = self._steady_gpu_batch(gpu_requests, host_requests)
+        gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else -1.0
+        host_context = sum(r.num_tokens for r in host_requests)
 
         def rate(requests: int, context: int) -> float:
-            time = model.two_batch_time(gpu_time, 0.0, model.linear(requests), 0.0,
-                                        self._host_attention(requests, context), graphed=graphed)
-            return (gpu_count + requests) / (time + EPSILON)
+            time = model.two_batch_time(steady.eager_time, 0.0, model.linear(requests), 0.0,
+                                        self._host_attention(requests, context), graphed=steady.graphed)
+            return (steady.count + requests) / (time + EPSILON)
 
         current = rate(len(host_requests), host_context) if host_requests else -1.0
-        more = []
-        if self.waiting:
-            length = self.waiting[0].num_tokens + 1
-            extra = 1
-            while extra <= self.config.max_num_seqs - len(self.running):
-                more.append(rate(len(host_requests) + extra, host_context + extra * length))
-                extra *= 2
+        more = [rate(len(host_requests) + extra, host_context + context) for extra, context in self._extra_requests()]
         best_more = max(more, default=-1.0)
         return max(current, best_more) > gpu_rate, best_more > max(current, gpu_rate)
 

@@ -13,6 +13,9 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
   ``pipeline_graph_overhead`` the same for a decode-only two-sub-batch iteration replayed from
   a CUDA graph (``PipelineGraphs``): no launches, so it may be negative (the replay runs
   faster than the eagerly timed stages add up to).
+- ``host_batch_overhead``: extra time of a host batch of the async host pipeline over its
+  stage times (``linear`` + ``cpu_attention``, which follow one another): launches, hand-offs,
+  the pipeline graph's replay.
 - ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
   requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
   empty where the engine has no graphs). Longer contexts add their extra GPU attention time.
@@ -76,6 +79,7 @@ class PerfTable:
     pipeline_overhead: float = 0.0
     pipeline_graph_overhead: float = 0.0
     iteration_overhead: float = 0.0
+    host_batch_overhead: float = 0.0
     graph_decode_requests: list[float] = field(default_factory=list)
     graph_decode_seconds: list[float] = field(default_factory=list)
     graph_decode_context: int = 0  # tokens per request in the graph_decode points
@@ -149,6 +153,11 @@ class PerfModel:
             pipeline_overhead = self.table.pipeline_graph_overhead if graphed else self.table.pipeline_overhead
         half = pipeline_overhead / 2
         return max(linear1 + half, cpu0) + max(linear0 + gpu0 + half, cpu1) + self.iteration_overhead
+
+    def host_batch_time(self, linear: float, host: float) -> float:
+        """Seconds of a host batch (async host pipeline) from its GPU stages' and its host
+        attention's times."""
+        return linear + host + self.table.host_batch_overhead
 
     @property
     def iteration_overhead(self) -> float:

@@ -13,6 +13,8 @@ blocks consecutive):
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
   what the tables above predict for them (launches, hand-offs, copies, input preparation);
   pipeline_graph_overhead: the same two-sub-batch plan replayed from a pipeline CUDA graph;
+  host_batch_overhead: a small host batch of the async host pipeline, launched and collected
+  (engines with that pipeline);
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
@@ -45,7 +47,7 @@ from .scheduler_output import SchedulerOutput, SubBatch
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 6
+PROFILE_METHOD = 7
 
 
 def cache_directory() -> str:
@@ -178,7 +180,7 @@ class Profiler:
         prefill_points, request_points = points["prompt length"], points["host requests"]
         cpu_context_points, graph_points = points["host context"], points["graph batch"]
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
-                 + len(request_points) * len(cpu_context_points) + 2 + len(graph_points))
+                 + len(request_points) * len(cpu_context_points) + 3 + len(graph_points))
         with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:
             for tokens in token_points:
                 table.linear_tokens.append(tokens)
@@ -207,6 +209,8 @@ class Profiler:
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
             table.pipeline_overhead, table.pipeline_graph_overhead = self._pipeline_overheads(model)
+            progress.update(1)
+            table.host_batch_overhead = self._host_batch_overhead(model)
             progress.update(1)
             table.graph_decode_context = self._graph_decode_context()
             for requests in graph_points:
@@ -422,6 +426,26 @@ class Profiler:
                   model.cpu_attention(1, 256))
         return (self._overhead_for(model, stages, eager, lowest=0.0),
                 self._overhead_for(model, stages, replayed, lowest=-replayed))
+
+    def _host_batch_overhead(self, model: PerfModel) -> float:
+        """Measured time of a host batch of two 256-token decodes (launched, then collected)
+        minus its stage times; none where the engine runs no host batches."""
+        runner = self.engine.runner
+        if runner.host_batches is None or self.engine.layout.num_cpu_blocks < 2 * -(-256 // self.config.block_size):
+            return 0.0
+        requests = self._requests(KVLocation.CPU, [256, 256])
+        plan = SchedulerOutput(host_batch=SubBatch(cpu_decodes=requests))
+
+        def run():
+            runner.launch_host_batch(plan)
+            runner.collect_host_batch(wait_seconds=float("inf"))
+
+        try:
+            measured = self._time(run)
+        finally:
+            for request in requests:
+                self.engine.block_manager.free(request)
+        return measured - model.linear(2) - model.cpu_attention(2, 512)
 
     @staticmethod
     def _overhead_for(model: PerfModel, stages: tuple, measured: float, lowest: float) -> float:

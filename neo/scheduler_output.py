@@ -37,18 +37,27 @@ class SubBatch:
 @dataclass
 class SchedulerOutput:
     """One iteration: one sub-batch (sequential stages) or two (asymmetric pipeline), plus the
-    whole-request block copies between pools to perform first (per layer)."""
+    whole-request block copies between pools to perform first (per layer). Under the async host
+    pipeline, ``host_batch`` is a sub-batch of host decodes to launch on the host stream now;
+    it completes in a later iteration (its requests are outside ``requests``)."""
 
     sub_batches: list[SubBatch] = field(default_factory=list)
+    host_batch: SubBatch | None = None
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
     predicted_time: float | None = None  # seconds, from the PerfModel (offloading policies)
     predicted_host_time: float | None = None  # of which host attention (both sub-batches)
     profiled_host_time: float | None = None  # the same from the profile alone (uncalibrated)
+    # The host batch's estimates: seconds until its tokens, of which host attention (calibrated,
+    # and from the profile alone).
+    host_batch_predicted_time: float | None = None
+    host_batch_predicted_host_time: float | None = None
+    host_batch_profiled_host_time: float | None = None
 
     @property
     def is_empty(self) -> bool:
+        """Nothing for the compute stream (a host batch to launch aside)."""
         return not any(self.sub_batches) and not self.swap_out and not self.swap_in and not self.finished
 
     @property

@@ -25,19 +25,21 @@ def expected(tmp_path_factory):
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 POLICY_SETTINGS = {
-    # name: (policy, GPU pool blocks, whether the host must decode / swaps must happen)
-    "gpu-only": ("gpu-only", 1024),
-    "gpu-only-preempting": ("gpu-only", 8),
-    "neo": ("neo", 10),
-    "full-offload": ("full-offload", 10),
+    # name: (policy, GPU pool blocks, host pipeline)
+    "gpu-only": ("gpu-only", 1024, "lockstep"),
+    "gpu-only-preempting": ("gpu-only", 8, "lockstep"),
+    "neo": ("neo", 10, "lockstep"),
+    "full-offload": ("full-offload", 10, "lockstep"),
+    "neo-async": ("neo", 10, "async"),
+    "full-offload-async": ("full-offload", 10, "async"),
 }
 
 
 @pytest.mark.parametrize("setting", list(POLICY_SETTINGS))
 def test_greedy_equals_transformers(setting, expected):
-    policy, gpu_blocks = POLICY_SETTINGS[setting]
+    policy, gpu_blocks, host_pipeline = POLICY_SETTINGS[setting]
     llm = LLM("neo-tiny", policy=policy, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
-              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8)
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline=host_pipeline)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         metrics = llm.get_metrics()
@@ -48,15 +50,20 @@ def test_greedy_equals_transformers(setting, expected):
     if setting == "gpu-only-preempting":
         assert metrics["preemptions"] > 0 and metrics["blocks_swapped_in"] > 0
     if policy in ("neo", "full-offload"):
-        assert metrics["cpu_decode_tokens"] > 0 and metrics["two_batch_iterations"] > 0
+        assert metrics["cpu_decode_tokens"] > 0
+        if host_pipeline == "async":
+            assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
+        else:
+            assert metrics["two_batch_iterations"] > 0 and metrics["host_batches"] == 0
     if policy == "full-offload":
         assert metrics["gpu_decode_tokens"] == 0
 
 
-@pytest.mark.parametrize("policy", ["gpu-only", "neo"])
-def test_requests_arriving_one_by_one(policy, expected):
+@pytest.mark.parametrize("policy, host_pipeline", [("gpu-only", "lockstep"), ("neo", "lockstep"), ("neo", "async")])
+def test_requests_arriving_one_by_one(policy, host_pipeline, expected):
     engine = LLMEngine(EngineConfig(policy=policy, gpu_kv_cache_gib=gib_for_blocks(12),
-                                    cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero"))
+                                    cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero",
+                                    host_pipeline=host_pipeline))
     try:
         results = {}
         pending = list(enumerate(PROMPTS))
@@ -187,9 +194,11 @@ def test_unknown_architecture(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_worker_failure_reaches_the_caller_and_frees_blocks(monkeypatch):
+@pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
+def test_worker_failure_reaches_the_caller_and_frees_blocks(host_pipeline):
     engine = LLMEngine(EngineConfig(policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(4),
-                                    cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero"))
+                                    cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero",
+                                    host_pipeline=host_pipeline))
     try:
         engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
         engine.step()  # prefill
@@ -210,17 +219,22 @@ def test_worker_failure_reaches_the_caller_and_frees_blocks(monkeypatch):
         engine.close()
 
 
-def test_trace_records_every_iteration(tmp_path):
+@pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
+def test_trace_records_every_iteration_and_host_batch(tmp_path, host_pipeline):
     path = tmp_path / "trace.json"
     llm = LLM("neo-tiny", policy="neo", gpu_kv_cache_gib=gib_for_blocks(10), cpu_kv_cache_gib=gib_for_blocks(256),
-              perf_model="zero", max_num_seqs=8, trace_path=str(path))
+              perf_model="zero", max_num_seqs=8, trace_path=str(path), host_pipeline=host_pipeline)
     try:
         llm.generate(PROMPTS, GREEDY)
         metrics = llm.get_metrics()
     finally:
         llm.close()
     records = json.loads(path.read_text())
-    assert len(records) == metrics["iterations"]
+    host_batches = [r for r in records if r["host_batch"]]
+    assert len(records) - len(host_batches) == metrics["iterations"]
+    assert len(host_batches) == metrics["host_batches"]
+    assert (len(host_batches) > 0) == (host_pipeline == "async")
+    assert all(r["host_batch_wait_seconds"] >= 0 for r in host_batches)
     assert sum(r["cpu_decodes"] for r in records) == metrics["cpu_decode_tokens"] > 0
     assert sum(r["num_sub_batches"] == 2 for r in records) == metrics["two_batch_iterations"]
     assert sum(r["prefill_tokens"] for r in records) == metrics["prefill_tokens"]
@@ -230,7 +244,8 @@ def test_trace_records_every_iteration(tmp_path):
         assert record["cpu_busy_seconds"] > 0 or not record["cpu_decodes"]
 
 
-def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path):
+@pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
+def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path, host_pipeline):
     # Whatever the host really takes against this straight-line profile, the scheduler's
     # correction is the measured over profiled host time of the last decode-only iterations, as
     # the trace records them.
@@ -244,7 +259,7 @@ def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path):
     path = tmp_path / "trace.json"
     engine = LLMEngine(EngineConfig(model="neo-tiny", policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(10),
                                     cpu_kv_cache_gib=gib_for_blocks(256), perf_model=str(tmp_path / "table.json"),
-                                    max_num_seqs=8, trace_path=str(path)))
+                                    max_num_seqs=8, trace_path=str(path), host_pipeline=host_pipeline))
     try:
         for prompt in PROMPTS:
             engine.add_request(prompt, GREEDY)

@@ -24,6 +24,8 @@ SETTINGS = {
     "gpu-only-preempting": dict(policy="gpu-only", gpu_blocks=8),
     "neo": dict(policy="neo", gpu_blocks=10),
     "full-offload": dict(policy="full-offload", gpu_blocks=10),
+    "neo-async": dict(policy="neo", gpu_blocks=10, host_pipeline="async"),
+    "full-offload-async": dict(policy="full-offload", gpu_blocks=10, host_pipeline="async"),
 }
 
 
@@ -32,14 +34,16 @@ def expected(tmp_path_factory):
     return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))))
 
 
-def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True):
-    """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs' shapes captured."""
+def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True, host_pipeline: str = "lockstep"):
+    """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs' shapes captured
+    (those of the host batches under the async host pipeline)."""
     llm = LLM("neo-tiny", device=device, dtype="float32", policy=policy,
               gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
-              perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs)
+              perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
-        graphs = llm.engine.runner.pipeline_graphs
+        runner = llm.engine.runner
+        graphs = runner.host_batches.graphs if runner.host_batches is not None else runner.pipeline_graphs
         return [o.outputs[0].token_ids for o in outputs], llm.get_metrics(), list(graphs.captures) if graphs else []
     finally:
         llm.close()
@@ -55,14 +59,22 @@ def test_gpu_engine_equals_cpu_engine_float32(cuda_graphs):
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expected):
-    tokens, metrics, captured = generate("cuda", SETTINGS[setting]["policy"], SETTINGS[setting]["gpu_blocks"],
-                                         cuda_graphs)
+    tokens, metrics, captured = generate("cuda", cuda_graphs=cuda_graphs, **SETTINGS[setting])
     assert tokens == expected
     if setting == "gpu-only-preempting":
         assert metrics["blocks_swapped_out"] > 0 and metrics["blocks_swapped_in"] > 0
-    assert (metrics["graph_iterations"] > 0) == cuda_graphs
-    if SETTINGS[setting]["policy"] != "gpu-only":
-        assert metrics["cpu_decode_tokens"] > 0 and metrics["two_batch_iterations"] > 0
+    if SETTINGS[setting]["policy"] == "gpu-only":
+        return
+    assert metrics["cpu_decode_tokens"] > 0
+    if SETTINGS[setting].get("host_pipeline") == "async":
+        assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
+        if cuda_graphs:  # host batches replayed pipeline graphs of one sub-batch
+            assert captured and all(len(shape) == 1 for shape in captured)
+        if setting == "neo-async":  # GPU decodes replayed decode graphs meanwhile
+            assert (metrics["graph_iterations"] > 0) == cuda_graphs
+    else:
+        assert metrics["two_batch_iterations"] > 0
+        assert (metrics["graph_iterations"] > 0) == cuda_graphs
         if cuda_graphs:  # decode-only iterations with host decodes replayed pipeline graphs
             assert any(len(shape) == 2 for shape in captured)
 
@@ -120,16 +132,19 @@ def test_policies_agree_on_logits_in_bf16():
             assert error < 3e-2, f"{policy}: logits of prompt {key[0]} token {key[1]} differ by {error:.3g}"
 
 
+@pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
-def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, monkeypatch):
+def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipeline, monkeypatch):
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="float32", policy="full-offload",
                                     gpu_kv_cache_gib=gib_for_blocks(4), cpu_kv_cache_gib=gib_for_blocks(64),
-                                    perf_model="zero", use_cuda_graphs=cuda_graphs))
+                                    perf_model="zero", use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline))
     try:
         engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
         engine.step()  # prefill, its KV copied to the host pool
-        engine.step()  # a decode on the host (replayed from a pipeline graph when graphs are on)
-        assert engine.runner.replayed_graph == cuda_graphs
+        while engine.metrics.cpu_decode_tokens == 0:  # a decode on the host
+            engine.step()
+        if host_pipeline == "lockstep":  # replayed from a pipeline graph when graphs are on
+            assert engine.runner.replayed_graph == cuda_graphs
         # The host metadata names a block beyond the host pool: the host kernel rejects it in
         # every layer's host function, inside the replayed graph or the queued iteration.
         load = neo.executor._SlotBuffers.load
@@ -141,7 +156,8 @@ def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, monkeypat
 
         monkeypatch.setattr(neo.executor._SlotBuffers, "load", load_corrupted)
         with pytest.raises(RuntimeError, match="host decode attention failed: .*block id"):
-            engine.step()
+            while engine.has_unfinished_requests():  # the failure surfaces when its batch is collected
+                engine.step()
         monkeypatch.undo()
         assert not engine.has_unfinished_requests()
         assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks

@@ -11,6 +11,7 @@ COUNTER_HELP = {
     "iterations": "Engine iterations run.",
     "two_batch_iterations": "Iterations that ran two sub-batches (asymmetric pipeline).",
     "graph_iterations": "Iterations replayed from a captured CUDA graph.",
+    "host_batches": "Host decode batches of the async host pipeline completed.",
     "prefill_tokens": "Prompt tokens prefilled.",
     "gpu_decode_tokens": "Decode tokens whose attention ran on the compute device.",
     "cpu_decode_tokens": "Decode tokens whose attention ran on the host CPU.",

@@ -1,0 +1,129 @@
+"""``AsyncOffloadScheduler``: the neo and full-offload policies under the async host pipeline.
+
+Pools, admission, eviction and moves back to the GPU are ``OffloadScheduler``'s; what differs
+is where host decodes go. Each iteration is one sub-batch for the GPU (prefills and GPU
+decodes), and the host decodes run as a host batch of their own beside the GPU's iterations
+(``neo.host_batches``), one batch in flight at a time. When none is in flight, every host
+request that got its slot joins the next one; requests in flight are left out of planning until
+their batch completes (``host_batch_done``), and an abort of one of them frees its blocks only
+then. A request evicted to the host pool joins a batch launched after the iteration that copies
+its blocks out.
+
+Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch's
+``pre``/``post`` stages read all the weights once on the GPU, ``linear(n)`` seconds for ``n``
+host decodes, time the GPU's own iterations lose. In that time a steady GPU iteration
+(``_steady_gpu_batch``) makes ``gpu_rate * linear(n)`` tokens, so a host batch of ``n``
+decodes gains ``n - gpu_rate * linear(n)`` tokens: it pays when that is positive, whatever its
+host attention takes. New requests go to the host pool while a larger host population would
+gain more (as in ``OffloadScheduler``, judged again when request counts, the waiting head or the
+host correction change). A batch is launched when it pays, when the GPU has nothing else to do
+(``full-offload``, or no GPU work this iteration), or when its oldest request has waited
+``max_host_wait`` iterations: host requests always progress.
+
+A host batch is estimated as ``linear(n) + host attention + host_batch_overhead`` (its stages
+follow one another; ``PerfModel.host_batch_time``), host attention corrected online by the
+host time each completed batch measured.
+"""
+
+from .request import KVLocation, Request, RequestStatus
+from .offload_scheduler import EPSILON, OffloadScheduler
+from .scheduler_output import SchedulerOutput, SubBatch
+
+GPU, CPU = KVLocation.GPU, KVLocation.CPU
+
+
+class AsyncOffloadScheduler(OffloadScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.in_flight: list[Request] = []  # the host batch launched and not yet done
+        self._in_flight_ids: set[int] = set()
+        self._aborted_in_flight: list[Request] = []  # their blocks are freed once the batch is done
+        self._in_flight_profiled_host_time = 0.0
+
+    # -- requests in flight --------------------------------------------------------------------
+
+    def _plannable(self) -> list[Request]:
+        return [r for r in self.running if id(r) not in self._in_flight_ids]
+
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        if id(request) not in self._in_flight_ids:
+            super().abort(request, reason)
+            return
+        # The host batch still reads and writes its blocks: they are freed when it is done.
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._aborted_in_flight.append(request)
+
+    def host_batch_done(self, host_seconds: float | None) -> list[Request]:
+        """The host batch in flight has completed (``host_seconds``: its measured host time,
+        None when it failed). Frees the blocks of requests aborted meanwhile; returns the
+        requests whose tokens the caller appends (those not aborted)."""
+        done = [r for r in self.in_flight if not r.is_finished]
+        for request in self._aborted_in_flight:
+            self.block_manager.free(request)
+        if host_seconds is not None:
+            self.host_calibration.observe(self._in_flight_profiled_host_time, host_seconds)
+        self.in_flight, self._in_flight_ids, self._aborted_in_flight = [], set(), []
+        return done
+
+    # -- host decodes --------------------------------------------------------------------------
+
+    def _plan_host_decodes(self, batch0: SubBatch, host_requests: list[Request], output: SchedulerOutput) -> None:
+        output.sub_batches = [batch0] if batch0 else []
+        swaps = bool(output.swap_in or output.swap_out)
+        output.predicted_time = self._sequential_time(batch0, swaps=swaps) if batch0 else 0.0
+        output.predicted_host_time = output.profiled_host_time = 0.0
+        if not self.full_offload:
+            if host_requests or self.in_flight or self.waiting:
+                self._judge_host_decodes(host_requests + self.in_flight)
+            else:  # nothing to decide until requests wait or live on the host: gpu-only rules
+                self.host_decodes_pay = self.host_admission_open = False
+                self._economics_seen = None
+        # Requests evicted to the host pool just now wait for the next batch: their blocks are
+        # copied out by this iteration's GPU work, which a batch launched now does not wait for.
+        arriving = {cpu_block for _, cpu_block in output.swap_out}
+        host_requests = [r for r in host_requests if r.block_table[0] not in arriving]
+        if self.in_flight or not host_requests:
+            self.iterations_without_host_decode = 0 if not host_requests else self.iterations_without_host_decode + 1
+            return
+        due = self.iterations_without_host_decode >= self.max_host_wait
+        if not (self.full_offload or self._gain(batch0, len(host_requests)) > 0 or not batch0 or due):
+            self.iterations_without_host_decode += 1
+            return
+        requests = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)[:self.config.max_num_seqs]
+        output.host_batch = SubBatch(cpu_decodes=requests)
+        host = self._host_attention(len(requests), sum(r.num_tokens for r in requests))
+        output.host_batch_predicted_time = self.perf_model.host_batch_time(self.perf_model.linear(len(requests)), host)
+        output.host_batch_predicted_host_time = host
+        output.host_batch_profiled_host_time = host / self.host_calibration.scale
+        self._in_flight_profiled_host_time = output.host_batch_profiled_host_time
+        self.in_flight = list(requests)
+        self._in_flight_ids = {id(r) for r in requests}
+        for request in requests:
+            request.last_scheduled_iteration = self.iteration
+        self.iterations_without_host_decode = 0
+
+    def _gain(self, batch0: SubBatch, num_host_decodes: int) -> float:
+        """Tokens a host batch of that many decodes gains over what its GPU stages cost this
+        iteration's GPU work (``batch0``'s tokens per second)."""
+        tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
+        if not tokens:
+            return float(num_host_decodes)
+        rate = tokens / (self._sequential_time(batch0) + EPSILON)
+        return num_host_decodes - rate * self.perf_model.linear(num_host_decodes)
+
+    def _host_decode_economics(self, gpu_requests: list[Request],
+                               host_requests: list[Request]) -> tuple[bool, bool]:
+        """(do host decodes pay, would more of them pay) for a steady decode iteration's GPU
+        rate: a host population of ``n`` gains ``n - gpu_rate * linear(n)`` tokens per host
+        batch; "more" adds requests like the oldest waiting one (``_extra_requests``)."""
+        steady = self._steady_gpu_batch(gpu_requests, host_requests)
+        gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else 0.0
+
+        def gain(requests: int) -> float:
+            return requests - gpu_rate * self.perf_model.linear(requests) if requests else 0.0
+
+        current = gain(len(host_requests))
+        best_more = max((gain(len(host_requests) + extra) for extra, _ in self._extra_requests()), default=0.0)
+        return max(current, best_more) > 0, best_more > max(current, 0.0)

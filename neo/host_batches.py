@@ -1,0 +1,156 @@
+"""``HostBatchRunner``: batches of host decodes that run beside the GPU's iterations.
+
+Under the async host pipeline (``EngineConfig.host_pipeline="async"``) the host decodes are not
+part of the GPU's iterations. A batch of them is launched on a CUDA stream of its own and goes
+through the layers there, one sub-batch with sequential stages (see ``executor.py``): per layer
+its ``pre`` and ``post`` run on the GPU, its attention on the host CPU. While the host
+attends, the compute stream runs the GPU's own iterations (prefills, GPU decodes), as many as
+fit::
+
+    compute stream | iteration k          | iteration k+1       | iteration k+2       | ...
+    host stream    | pre(h,0) .............. post(h,0) pre(h,1) ............. post(h,1) ...
+    host CPU       |           attn_cpu(h,0)                    attn_cpu(h,1)
+
+So the GPU never waits for the host, and the host never waits for the GPU's iterations, only
+for the batch's own ``pre``/``post`` (the stream has high priority). Each host batch reads all
+the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
+
+The batch's host work runs in CUDA host functions on its own executor's copy stream
+(``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph
+when one fits, so launching it costs the launching thread about one graph replay. The sampled
+tokens are copied to pinned memory behind an event that ``collect`` polls. Where host work
+cannot be ordered on streams (no CUDA, or no ISPC kernels), a batch runs to completion when it
+is launched.
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .batch_inputs import build_batch_inputs
+from .cpu_worker import CpuAttentionWorker
+from .executor import PipelineExecutor
+from .kv_cache import KVCache
+from .pipeline_graphs import PipelineGraphs
+from .request import Request
+from .sampler import Sampler
+from .scheduler_output import SubBatch
+
+NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
+
+
+@dataclass
+class HostBatchResult:
+    """A completed host batch."""
+
+    requests: list[Request]
+    tokens: list[int]  # one sampled token per request, in ``requests`` order
+    seconds: float  # from launch until its tokens were on the host
+    host_seconds: float  # host functions' (or the worker's) time
+    replayed_graph: bool
+
+
+@dataclass
+class _InFlight:
+    requests: list[Request]
+    tokens: torch.Tensor  # int64 [n], on the host once ``done`` has passed
+    done: torch.cuda.Event | None  # None: completed at launch
+    started: torch.cuda.Event | None  # timing events on the host stream
+    ended: torch.cuda.Event | None
+    launched_at: float
+    host_seconds: float | None  # known at launch when it ran to completion
+    replayed_graph: bool
+
+
+class HostBatchRunner:
+    """Launches one host batch at a time and hands back its tokens once it has completed."""
+
+    def __init__(self, model, kv_cache: KVCache, worker: CpuAttentionWorker, device: torch.device,
+                 max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None):
+        """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
+        many tokens (None: never)."""
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.worker = worker
+        self.executor = PipelineExecutor(model, kv_cache, device, worker, max_cpu_decodes=max_decodes,
+                                         max_offload_tokens=0, max_blocks_per_sequence=max_blocks_per_sequence)
+        self.asynchronous = self.executor.stream_ordered_host_work
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.graphs = None
+        if self.asynchronous and graph_context is not None:
+            self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device)
+        self.sampler = Sampler()
+        self._in_flight: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def launch(self, batch: SubBatch) -> None:
+        """Queue the batch (host decodes only; their slots made) on the host stream."""
+        if self._in_flight is not None:
+            raise RuntimeError("a host batch is already in flight")
+        if batch.prefills or batch.gpu_decodes or not batch.cpu_decodes:
+            raise ValueError("a host batch holds host decodes only")
+        requests = batch.cpu_decodes
+        launched_at = time.perf_counter()
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+            started = self._timing_event()
+            inputs = build_batch_inputs(batch, self.block_size, self.device)
+            logits = None
+            shape = self.graphs.shape([inputs]) if self.graphs is not None else None
+            if shape is not None:
+                logits = self.graphs.run([inputs], shape)
+            replayed = logits is not None
+            if logits is None:
+                logits = self.executor.run([inputs], NO_SWAPS, NO_SWAPS)
+            sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+            done = ended = None
+            if self.stream is not None:
+                tokens = torch.empty(len(requests), dtype=torch.int64, pin_memory=True)
+                tokens.copy_(sampled, non_blocking=True)
+                ended = self._timing_event()
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                tokens = sampled
+        host_seconds = None
+        if not self.asynchronous:  # it ran to completion here
+            if done is not None:
+                done.synchronize()
+            done = None
+            host_seconds = self.worker.take_busy_seconds()
+        self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed)
+
+    def ready(self) -> bool:
+        """Whether a launched batch has completed (False when none is in flight)."""
+        flight = self._in_flight
+        return flight is not None and (flight.done is None or flight.done.query())
+
+    def collect(self, wait: bool) -> HostBatchResult | None:
+        """The batch in flight once it has completed (``wait``: block until then); None when
+        none is in flight, or it is still running and not ``wait``. Raises what failed in its
+        host work (the batch is over either way)."""
+        flight = self._in_flight
+        if flight is None or not (wait or self.ready()):
+            return None
+        self._in_flight = None
+        if flight.done is not None:
+            flight.done.synchronize()
+        self.executor.raise_host_failure()
+        if flight.started is not None and flight.ended is not None:
+            seconds = flight.started.elapsed_time(flight.ended) / 1e3
+        else:
+            seconds = time.perf_counter() - flight.launched_at
+        host_seconds = flight.host_seconds if flight.host_seconds is not None else self.executor.host_busy_seconds()
+        return HostBatchResult(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
+                               flight.replayed_graph)
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event

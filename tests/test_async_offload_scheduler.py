@@ -1,0 +1,209 @@
+"""The scheduler of the async host pipeline (``AsyncOffloadScheduler``), without a model.
+
+A stand-in engine loop launches each plan's host batch and completes it a given number of
+iterations later; requests in flight must stay out of every plan, an abort of one frees its
+blocks only when its batch is done, and no request starves.
+"""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neo.async_offload_scheduler import AsyncOffloadScheduler
+from neo.block_manager import BlockManager
+from neo.config import EngineConfig
+from neo.perf_model import HostTimeCalibration, PerfModel
+from neo.request import KVLocation, Request, RequestStatus
+from neo.sampling_params import SamplingParams
+
+from test_block_manager import check_pools
+from test_offload_scheduler import requests_of, synthetic_model
+
+GPU, CPU = KVLocation.GPU, KVLocation.CPU
+
+
+def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int, perf_model: PerfModel,
+                   max_num_seqs: int = 64, block_size: int = 16) -> AsyncOffloadScheduler:
+    config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=2048, host_pipeline="async")
+    return AsyncOffloadScheduler(config, BlockManager(gpu_blocks, cpu_blocks, block_size), perf_model,
+                                 num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
+
+
+def decode(scheduler, request: Request) -> None:
+    request.num_cached_tokens = request.num_tokens
+    request.append_token(5)
+    if request.num_output_tokens >= request.sampling_params.max_tokens:
+        scheduler.finish(request, "length")
+
+
+def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_iterations=lambda: 3,
+          on_plan=None, abort=None, max_steps: int = 20_000) -> None:
+    """The engine loop's stand-in: each iteration decodes its sub-batch; a launched host batch
+    completes ``batch_iterations()`` iterations later (``abort(request)`` may abort any
+    unfinished request first, in flight or not)."""
+    for request in requests:
+        scheduler.add(request)
+    in_flight, remaining = [], 0
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished and not in_flight:
+            return
+        if abort is not None:
+            for request in [r for r in requests if not r.is_finished and abort(r)]:
+                scheduler.abort(request)
+        plan = scheduler.schedule()
+        launched = plan.host_batch.cpu_decodes if plan.host_batch is not None else []
+        if launched:
+            assert not in_flight, "a host batch was launched while one is in flight"
+            assert all(r.location is CPU and r.status is RequestStatus.RUNNING for r in launched)
+            assert all(len(r.block_table) * scheduler.block_manager.block_size >= r.num_tokens for r in launched)
+            in_flight, remaining = launched, batch_iterations()
+        flying = {id(r) for r in in_flight}
+        assert len(plan.sub_batches) <= 1 and not any(b.cpu_decodes for b in plan.sub_batches)
+        assert not flying & {id(r) for r in plan.requests}, "a request in flight was planned"
+        assert not flying & {id(r) for r in plan.finished}
+        if on_plan is not None:
+            on_plan(plan, in_flight)
+        for request in plan.requests:
+            decode(scheduler, request)
+        if in_flight:
+            remaining -= 1
+            if remaining <= 0 or not plan.requests:
+                for request in scheduler.host_batch_done(host_seconds=0.001):
+                    decode(scheduler, request)
+                in_flight = []
+        scheduler.remove_finished()
+        holders = [r for r in requests if not r.is_finished] + [r for r in in_flight if r.is_finished]
+        check_pools(scheduler.block_manager, holders)  # aborted requests in flight still hold blocks
+    raise AssertionError("requests did not finish")
+
+
+def test_overflow_decodes_in_host_batches_beside_gpu_iterations():
+    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=PerfModel.zero())
+    requests = requests_of(24, prompt_len=40, max_tokens=20)
+    seen = {"launched": 0, "beside_gpu_work": 0}
+
+    def on_plan(plan, in_flight):
+        seen["launched"] += plan.host_batch is not None
+        seen["beside_gpu_work"] += bool(in_flight and plan.requests)
+
+    drive(scheduler, requests, on_plan=on_plan)
+    assert seen["launched"] > 0 and seen["beside_gpu_work"] > 0
+    assert all(r.is_finished and r.num_output_tokens == 20 for r in requests)
+    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(CPU) == 400
+
+
+def running_requests(scheduler, location: KVLocation, count: int, prompt_len: int = 8) -> list[Request]:
+    """``count`` requests already prefilled into ``location``'s pool, running."""
+    requests = []
+    for index in range(count):
+        request = Request(f"{location.value}{index}", [1] * prompt_len, SamplingParams(max_tokens=1000))
+        scheduler.block_manager.allocate(request, location)
+        request.num_cached_tokens = request.num_tokens
+        request.append_token(5)
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        requests.append(request)
+    return requests
+
+
+@pytest.mark.parametrize("host_requests, pays", [(1, False), (9, False), (11, True), (40, True)])
+def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_requests, pays):
+    """GPU: 10 decodes, 10 ms an iteration (1000 tokens/s); a host batch's stages take 10 ms
+    whatever its size, 10 tokens' worth of GPU time: it pays above 10 requests. A batch that
+    does not pay waits ``max_host_wait`` iterations, then runs anyway."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, cpu_blocks=400, perf_model=model)  # full: no moves back
+    running_requests(scheduler, GPU, 10)
+    running_requests(scheduler, CPU, host_requests)
+    launches = []
+    for _ in range(scheduler.max_host_wait + 1):
+        plan = scheduler.schedule()
+        assert len(plan.sub_batches[0].gpu_decodes) == 10
+        launches.append(plan.host_batch is not None)
+        for request in plan.requests:
+            decode(scheduler, request)
+        if plan.host_batch is not None:
+            assert len(plan.host_batch.cpu_decodes) == host_requests
+            for request in scheduler.host_batch_done(host_seconds=None):
+                decode(scheduler, request)
+    expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
+    assert launches == expected
+
+
+def test_without_gpu_work_a_host_batch_runs_whatever_it_pays():
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=model)
+    running_requests(scheduler, CPU, 1)
+    scheduler.block_manager.pools[GPU].allocate(20)  # no GPU room: the request stays on the host
+    plan = scheduler.schedule()
+    assert not plan.sub_batches and plan.host_batch is not None
+
+
+def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=100, perf_model=PerfModel.zero())
+    requests = requests_of(3, prompt_len=20, max_tokens=10)
+    for request in requests:
+        scheduler.add(request)
+    prefill = scheduler.schedule()
+    for request in prefill.requests:
+        decode(scheduler, request)
+    plan = scheduler.schedule()
+    assert plan.host_batch is not None and len(plan.host_batch.cpu_decodes) == 3
+    victim = requests[1]
+    blocks = list(victim.block_table)
+    scheduler.abort(victim, "abort")
+    assert victim.is_finished and victim.block_table == blocks  # still held by the batch
+    assert scheduler.block_manager.num_free(CPU) == 100 - sum(len(r.block_table) for r in requests)
+    done = scheduler.host_batch_done(host_seconds=0.01)
+    assert done == [requests[0], requests[2]]
+    assert victim.block_table == [] and victim not in scheduler.running
+    check_pools(scheduler.block_manager, [requests[0], requests[2]])
+
+
+def test_the_measured_host_time_of_each_batch_calibrates_the_host_estimates():
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=100,
+                               perf_model=synthetic_model(1e-5, 1e-8, 1e-5))
+    requests = requests_of(4, prompt_len=20, max_tokens=10)
+    for request in requests:
+        scheduler.add(request)
+    for request in scheduler.schedule().requests:
+        decode(scheduler, request)
+    plan = scheduler.schedule()
+    profiled = plan.host_batch_profiled_host_time
+    assert profiled > 0 and plan.host_batch_predicted_time > plan.host_batch_predicted_host_time
+    scheduler.host_batch_done(host_seconds=3 * profiled)
+    assert scheduler.host_calibration.scale == pytest.approx(3.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
+       gpu_blocks=st.integers(4, 40), cpu_blocks=st.integers(8, 80),
+       host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
+def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, gpu_blocks, cpu_blocks, host_speed):
+    rng = random.Random(seed)
+    if policy == "full-offload":
+        gpu_blocks = 0
+    model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
+    scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16), block_size=8)
+    capacity = max(gpu_blocks, cpu_blocks) * 8
+    requests = [Request(str(i), [2] * rng.randint(1, min(60, capacity // 2)),
+                        SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+    waited = {}  # request -> iterations since its last token, while prefilled
+
+    def on_plan(plan, in_flight):
+        progressed = {id(r) for r in plan.requests} | {id(r) for r in in_flight}
+        for request in scheduler.running:
+            if request.is_prefilled:
+                waited[id(request)] = 0 if id(request) in progressed else waited.get(id(request), 0) + 1
+        assert max(waited.values(), default=0) <= 200, "a request starved"
+
+    drive(scheduler, requests, batch_iterations=lambda: rng.randint(1, 5), on_plan=on_plan,
+          abort=lambda request: rng.random() < 0.01)
+    assert scheduler.block_manager.num_free(GPU) == gpu_blocks
+    assert scheduler.block_manager.num_free(CPU) == cpu_blocks
+    assert all(r.is_finished for r in requests)
