@@ -216,7 +216,7 @@ def main() -> None:
         print(f"{args.scenario}: {label}" + (f", {threads} host threads" if threads else ""), flush=True)
         for result in run_policy(config, workloads, args.num_requests, args.duration,
                                  args.output_dir if args.keep_traces else None):
-            runs.append({"policy": label, "threads": threads, **result})
+            runs.append({**result, "policy": label, "threads": threads})
             report["device"] = result["device"]
             with open(path, "w") as file:  # after every run, so a cut-off sweep keeps its part
                 json.dump(report, file, indent=1, default=str)

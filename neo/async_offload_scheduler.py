@@ -22,7 +22,8 @@ host correction change). A batch is launched when it pays, when the GPU has noth
 
 A host batch is estimated as ``linear(n) + host attention + host_batch_overhead`` (its stages
 follow one another; ``PerfModel.host_batch_time``), host attention corrected online by the
-host time each completed batch measured.
+host time each completed batch measured. An iteration that runs while a batch is in flight
+shares the GPU with the batch's stages: its estimate grows by their share of the batch's time.
 """
 
 from .request import KVLocation, Request, RequestStatus
@@ -39,6 +40,7 @@ class AsyncOffloadScheduler(OffloadScheduler):
         self._in_flight_ids: set[int] = set()
         self._aborted_in_flight: list[Request] = []  # their blocks are freed once the batch is done
         self._in_flight_profiled_host_time = 0.0
+        self._in_flight_predicted_time = 0.0
 
     # -- requests in flight --------------------------------------------------------------------
 
@@ -71,9 +73,17 @@ class AsyncOffloadScheduler(OffloadScheduler):
 
     def _plan_host_decodes(self, batch0: SubBatch, host_requests: list[Request], output: SchedulerOutput) -> None:
         output.sub_batches = [batch0] if batch0 else []
-        swaps = bool(output.swap_in or output.swap_out)
-        output.predicted_time = self._sequential_time(batch0, swaps=swaps) if batch0 else 0.0
         output.predicted_host_time = output.profiled_host_time = 0.0
+        self._launch_host_batch(batch0, host_requests, output)
+        swaps = bool(output.swap_in or output.swap_out)
+        gpu_share = 0.0  # of the host batch in flight, whose stages share the GPU with this iteration
+        if self.in_flight and self._in_flight_predicted_time > 0:
+            gpu_share = self.perf_model.linear(len(self.in_flight)) / self._in_flight_predicted_time
+        output.predicted_time = self._sequential_time(batch0, swaps=swaps) * (1 + gpu_share) if batch0 else 0.0
+
+    def _launch_host_batch(self, batch0: SubBatch, host_requests: list[Request], output: SchedulerOutput) -> None:
+        """Put the plannable host requests into ``output.host_batch`` when no batch is in flight
+        and launching one is worth it (see the module docstring)."""
         if not self.full_offload:
             if host_requests or self.in_flight or self.waiting:
                 self._judge_host_decodes(host_requests + self.in_flight)
@@ -98,6 +108,7 @@ class AsyncOffloadScheduler(OffloadScheduler):
         output.host_batch_predicted_host_time = host
         output.host_batch_profiled_host_time = host / self.host_calibration.scale
         self._in_flight_profiled_host_time = output.host_batch_profiled_host_time
+        self._in_flight_predicted_time = output.host_batch_predicted_time
         self.in_flight = list(requests)
         self._in_flight_ids = {id(r) for r in requests}
         for request in requests:
