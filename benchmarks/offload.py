@@ -29,11 +29,13 @@ with no GPU work waited for them / host busy).
 import argparse
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import gzip
 import json
 import logging
 import os
+import signal
 import statistics
 import tempfile
 
@@ -183,6 +185,7 @@ def main() -> None:
     parser.add_argument("--keep-traces", action="store_true",
                         help="also write each run's per-iteration trace (trace-*.json.gz)")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     scenario = SCENARIOS[args.scenario]
