@@ -18,6 +18,9 @@
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
+#   async-watchdog  32B memory-poor neo with the async host pipeline (OFFLOAD_ARGS adds arguments);
+#                if it still runs after WATCHDOG_SECONDS (default 200), every thread's Python
+#                stack (SIGUSR1) and native stack (cuda-gdb) go to the results, and it is killed
 #
 # Results go to $OUT (else results/raw): session.log, results.tar.gz (every JSON/log/plot) and
 # the built extensions (prebuilt-*.so). Carrying a folder .carry/prebuilt with those .so files
@@ -135,6 +138,22 @@ stage_offload_32b() { offload 32b-poor ${OFFLOAD_ARGS:-}; }
 stage_offload_8b_poor() { offload 8b-poor ${OFFLOAD_ARGS:-}; }
 stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
+
+stage_async_watchdog() {
+  python3 benchmarks/offload.py --scenario 32b-poor --duration "$seconds" --num-requests "$requests" \
+    --output-dir "$out/files" --keep-traces --policies neo --host-pipelines async ${OFFLOAD_ARGS:-} &
+  local pid=$! limit=${WATCHDOG_SECONDS:-200} waited=0
+  while kill -0 $pid 2>/dev/null && [ $waited -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+  if kill -0 $pid 2>/dev/null; then
+    echo "== [async-watchdog] still running after $limit s: dumping stacks"
+    kill -USR1 $pid; sleep 3
+    timeout 120 cuda-gdb -p $pid -batch -ex "info threads" -ex "thread apply all bt 40" > "$out/files/stacks.txt" 2>&1
+    kill -9 $pid
+    failures+=(async-watchdog)
+  else
+    wait $pid || failures+=(async-watchdog)
+  fi
+}
 
 stage_online() {
   run online python3 benchmarks/online.py --output-dir "$out/files" ${ONLINE_ARGS:-}
