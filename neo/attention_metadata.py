@@ -36,6 +36,25 @@ class AttentionMetadata:
     offload_token_indices: torch.Tensor  # int64 [N] (compute device): prefill tokens bound for host
     offload_slot_mapping_host: torch.Tensor  # int64 [N]: their host-cache slots
 
+    @classmethod
+    def for_captured_decodes(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                             gpu_block_table: torch.Tensor, gpu_seq_lens: torch.Tensor,
+                             num_cpu_decodes: int) -> "AttentionMetadata":
+        """Decodes only, for a CUDA graph capture: the compute-device fields are the graph's
+        static buffers (``positions``/``slot_mapping`` one row per token, the GPU decodes
+        first); the host fields are empty (host functions read theirs from the executor)."""
+        device = positions.device
+        empty_int32, empty_int64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+        return cls(
+            num_prefill_tokens=0, num_gpu_decodes=gpu_block_table.shape[0], num_cpu_decodes=num_cpu_decodes,
+            positions=positions, slot_mapping=slot_mapping,
+            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
+            gpu_block_table=gpu_block_table, gpu_seq_lens=gpu_seq_lens,
+            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
+            cpu_slot_mapping_host=empty_int64,
+            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
+            offload_slot_mapping_host=empty_int64)
+
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_gpu_decodes + self.num_cpu_decodes

@@ -55,18 +55,8 @@ class DecodeGraphs:
         self._capture_all()
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        device = self.device
-        empty_int32 = torch.empty(0, dtype=torch.int32)
-        empty_int64 = torch.empty(0, dtype=torch.int64)
-        return AttentionMetadata(
-            num_prefill_tokens=0, num_gpu_decodes=size, num_cpu_decodes=0,
-            positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
-            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
-            gpu_block_table=self.block_table[:size], gpu_seq_lens=self.seq_lens[:size],
-            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
-            cpu_slot_mapping_host=empty_int64,
-            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-            offload_slot_mapping_host=empty_int64)
+        return AttentionMetadata.for_captured_decodes(self.positions[:size], self.slot_mapping[:size],
+                                                      self.block_table[:size], self.seq_lens[:size], 0)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

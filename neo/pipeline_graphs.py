@@ -89,20 +89,13 @@ class StaticInputs:
         self.block_table = torch.zeros(gpu_rows, max_blocks, **int32)
         self.seq_lens = torch.ones(gpu_rows, **int32)
 
-    def metadata(self, gpu_rows: int, cpu_rows: int, device: torch.device) -> AttentionMetadata:
+    def metadata(self, gpu_rows: int, cpu_rows: int) -> AttentionMetadata:
         """The captured sub-batch's metadata (host fields empty: the host functions read the
         executor's buffers)."""
         rows = gpu_rows + cpu_rows
-        empty_int32, empty_int64 = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
-        return AttentionMetadata(
-            num_prefill_tokens=0, num_gpu_decodes=gpu_rows, num_cpu_decodes=cpu_rows,
-            positions=self.positions[:rows], slot_mapping=self.slot_mapping[:rows],
-            prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
-            gpu_block_table=self.block_table[:gpu_rows], gpu_seq_lens=self.seq_lens[:gpu_rows],
-            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
-            cpu_slot_mapping_host=empty_int64,
-            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-            offload_slot_mapping_host=empty_int64)
+        return AttentionMetadata.for_captured_decodes(self.positions[:rows], self.slot_mapping[:rows],
+                                                      self.block_table[:gpu_rows], self.seq_lens[:gpu_rows],
+                                                      cpu_rows)
 
     def load(self, inputs: BatchInputs, gpu_rows: int, cpu_rows: int) -> None:
         """Copy a sub-batch's inputs in, laid out for the captured ``gpu_rows`` / ``cpu_rows``."""
@@ -179,7 +172,7 @@ class PipelineGraphs:
     def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
         while len(self.captures) >= self.capacity:
             self.captures.popitem(last=False)
-        metadata = [static.metadata(gpu_rows, cpu_rows, self.device)
+        metadata = [static.metadata(gpu_rows, cpu_rows)
                     for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
         input_ids = [static.input_ids[:gpu_rows + cpu_rows] for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
         graph = torch.cuda.CUDAGraph()

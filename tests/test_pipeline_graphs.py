@@ -75,7 +75,7 @@ def test_static_inputs_lay_out_gpu_then_host_rows_with_padding():
     assert static.seq_lens[:4].tolist() == [5, 9, 3, 1]
     assert static.block_table[:3, :3].tolist() == meta.gpu_block_table.tolist()
     assert static.block_table[3].tolist() == [0] * MAX_BLOCKS
-    captured = static.metadata(gpu_rows=4, cpu_rows=2, device=torch.device("cpu"))
+    captured = static.metadata(gpu_rows=4, cpu_rows=2)
     assert (captured.num_gpu_decodes, captured.num_cpu_decodes, captured.num_tokens) == (4, 2, 6)
     hidden = torch.arange(6).unsqueeze(1)
     real = torch.cat(StaticInputs.real_rows(hidden, inputs, gpu_rows=4))
