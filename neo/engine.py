@@ -71,10 +71,11 @@ class LLMEngine:
         self.worker = None
         if config.policy != "gpu-only":
             self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+        max_blocks_per_sequence = -(-self.max_model_len // config.block_size)
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
                                     max_offload_tokens=config.max_num_batched_tokens,
-                                    max_blocks_per_sequence=-(-self.max_model_len // config.block_size),
+                                    max_blocks_per_sequence=max_blocks_per_sequence,
                                     measure_gpu_busy=config.trace_path is not None)
         asynchronous = config.host_pipeline == "async" and self.worker is not None
         graph_context = None
@@ -88,7 +89,7 @@ class LLMEngine:
                                                  config.block_size, self.device)
         if asynchronous:
             host_batches = HostBatchRunner(self.model, self.kv_cache, self.worker, self.device, config.max_num_seqs,
-                                           -(-self.max_model_len // config.block_size), graph_context)
+                                           max_blocks_per_sequence, graph_context)
         self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs, pipeline_graphs,
                                   host_batches)
         if config.policy == "gpu-only":

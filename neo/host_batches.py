@@ -12,13 +12,13 @@ fit::
     host CPU       |           attn_cpu(h,0)                    attn_cpu(h,1)
 
 So the GPU never waits for the host, and the host never waits for the GPU's iterations, only
-for the batch's own ``pre``/``post`` (the stream has high priority).
+for the batch's own ``pre``/``post`` (the stream has high priority). Each host batch reads all
+the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
 
 Known defect: on the H100 the GPU deadlocked in 4 of 6 Qwen2.5-32B runs, the compute stream's
 and the host stream's kernels never finishing (a cuBLAS GEMM resident, no host function
 running): GEMM kernels of the two streams that run at the same time can wait on each other.
-The engine logs a warning when this pipeline runs on CUDA; see RESULTS.md. Each host batch reads all
-the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
+The engine logs a warning when this pipeline runs on CUDA; see RESULTS.md.
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
 (``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph

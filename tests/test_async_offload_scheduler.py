@@ -19,7 +19,7 @@ from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
 
 from test_block_manager import check_pools
-from test_offload_scheduler import requests_of, synthetic_model
+from test_offload_scheduler import random_requests, requests_of, synthetic_model
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU
 
@@ -190,9 +190,7 @@ def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, g
         gpu_blocks = 0
     model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
     scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16), block_size=8)
-    capacity = max(gpu_blocks, cpu_blocks) * 8
-    requests = [Request(str(i), [2] * rng.randint(1, min(60, capacity // 2)),
-                        SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+    requests = random_requests(rng, max(gpu_blocks, cpu_blocks) * 8)
     waited = {}  # request -> iterations since its last token, while prefilled
 
     def on_plan(plan, in_flight):

@@ -78,6 +78,12 @@ def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, ma
     raise AssertionError("requests did not finish")
 
 
+def random_requests(rng: random.Random, capacity_tokens: int) -> list[Request]:
+    """1-20 requests of random prompt (at most half the largest pool) and output lengths."""
+    return [Request(str(i), [2] * rng.randint(1, min(60, capacity_tokens // 2)),
+                    SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+
+
 def requests_of(count: int, prompt_len: int, max_tokens: int) -> list[Request]:
     return [Request(str(i), [1] * prompt_len, SamplingParams(max_tokens=max_tokens)) for i in range(count)]
 
@@ -320,9 +326,7 @@ def test_random_mixes_never_leak(seed, policy, gpu_blocks, cpu_blocks, host_spee
     model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
     scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16),
                                block_size=8)
-    capacity = max(gpu_blocks, cpu_blocks) * 8
-    requests = [Request(str(i), [2] * rng.randint(1, min(60, capacity // 2)),
-                        SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+    requests = random_requests(rng, max(gpu_blocks, cpu_blocks) * 8)
     drive(scheduler, requests)
     assert scheduler.block_manager.num_free(GPU) == gpu_blocks
     assert scheduler.block_manager.num_free(CPU) == cpu_blocks
