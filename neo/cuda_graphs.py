@@ -9,6 +9,13 @@ several GiB at a few hundred sequences). Padding
 rows decode a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits
 are dropped. Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider
 than the captured width (longer contexts run eagerly).
+
+Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
+captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
+workspaces by stream), and ``torch.cuda.graph`` otherwise captures every graph on one shared
+stream: the GPU iterations' graphs and the host batches' graphs, which the async host pipeline
+replays at the same time on two streams, then shared a workspace, and their GEMMs corrupted
+each other's partial sums or waited on each other forever (``benchmarks/concurrent_graphs.py``).
 """
 
 import logging
@@ -52,6 +59,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # [size, hidden] final-normed states
         self._kv_layers = kv_cache.gpu_layers
+        self.capture_stream = torch.cuda.Stream(device)
         self._capture_all()
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -67,13 +75,13 @@ class DecodeGraphs:
             def forward():
                 return self.model.forward(self.input_ids[:size], meta, self._kv_layers)
 
-            stream = torch.cuda.Stream(self.device)
+            stream = self.capture_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up outside the graph (kernel selection, caches)
                 forward()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.hidden[size] = forward()
             pool = graph.pool()
             self.graphs[size] = graph

@@ -15,10 +15,10 @@ So the GPU never waits for the host, and the host never waits for the GPU's iter
 for the batch's own ``pre``/``post`` (the stream has high priority). Each host batch reads all
 the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
 
-Known defect: on the H100 the GPU deadlocked in 4 of 6 Qwen2.5-32B runs, the compute stream's
-and the host stream's kernels never finishing (a cuBLAS GEMM resident, no host function
-running): GEMM kernels of the two streams that run at the same time can wait on each other.
-The engine logs a warning when this pipeline runs on CUDA; see RESULTS.md.
+The batch's pipeline graphs and the GPU iterations' decode graphs replay at the same time on
+two streams, so each owner captures on a stream of its own: graphs captured on one stream share
+its cuBLAS workspace, and concurrent GEMMs on a shared workspace deadlocked the GPU (see
+``neo.cuda_graphs``).
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
 (``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph
@@ -28,7 +28,6 @@ cannot be ordered on streams (no CUDA, or no ISPC kernels), a batch runs to comp
 is launched.
 """
 
-import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ from .pipeline_graphs import PipelineGraphs
 from .request import Request
 from .sampler import Sampler
 from .scheduler_output import SubBatch
-
-logger = logging.getLogger(__name__)
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 
@@ -91,9 +88,6 @@ class HostBatchRunner:
             self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device)
         self.sampler = Sampler()
         self._in_flight: _InFlight | None = None
-        if self.asynchronous:
-            logger.warning("host_pipeline='async' is experimental on CUDA: GEMMs of the host-batch stream and "
-                           "the compute stream running at once have deadlocked the GPU (RESULTS.md, known defects)")
 
     @property
     def in_flight(self) -> bool:

@@ -140,6 +140,7 @@ class PipelineGraphs:
                        for _ in range(len(executor.stages))]
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.pool = None
+        self.capture_stream = torch.cuda.Stream(device)  # see ``neo.cuda_graphs``: a workspace of its own
         self.enabled = True
 
     def shape(self, batches: list[BatchInputs]) -> tuple[tuple[int, int], ...] | None:
@@ -178,7 +179,8 @@ class PipelineGraphs:
         graph = torch.cuda.CUDAGraph()
         self.executor.take_wait_events()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                                  capture_error_mode="thread_local"):
                 hidden = self.executor.forward_all_rows(input_ids, metadata)
         except RuntimeError as error:
             self.enabled = False
