@@ -233,7 +233,7 @@ class LLMEngine:
             elapsed = time.perf_counter() - start
             self._count(plan)
             host_seconds = self._host_seconds()
-            self.scheduler.observe(plan, host_seconds)
+            self.scheduler.observe(plan, host_seconds, elapsed)
             if self.trace is not None:
                 self._record(plan, elapsed, host_seconds, start - scheduling_start)
             outputs = self._postprocess(plan, tokens)

@@ -150,7 +150,7 @@ class OffloadScheduler(Scheduler):
             request.last_scheduled_iteration = self.iteration
         return output
 
-    def observe(self, plan: SchedulerOutput, host_seconds: float) -> None:
+    def observe(self, plan: SchedulerOutput, host_seconds: float, measured_seconds: float) -> None:
         """The measured host time of an executed plan corrects later host estimates (plans
         that also copied out a prefill's K/V on the host are left out: the estimate omits it)."""
         if not plan.profiled_host_time or any(r.location is CPU for b in plan.sub_batches for r in b.prefills):
@@ -290,11 +290,16 @@ class OffloadScheduler(Scheduler):
         the rest of a plan."""
         gpu_requests = [r for r in self.running if r.location is GPU]
         seen = (len(gpu_requests), len(host_requests), self.waiting[0].num_tokens if self.waiting else 0,
-                self.host_calibration.scale)
+                self._measured_corrections())
         if seen == self._economics_seen and self.iteration - self._economics_iteration < ECONOMICS_REFRESH_ITERATIONS:
             return
         self._economics_seen, self._economics_iteration = seen, self.iteration
         self.host_decodes_pay, self.host_admission_open = self._host_decode_economics(gpu_requests, host_requests)
+
+    def _measured_corrections(self) -> tuple:
+        """What the engine's measurements currently correct the estimates by (a change calls
+        for judging again)."""
+        return (self.host_calibration.scale,)
 
     def _never_fits_gpu(self, request: Request) -> bool:
         return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)

@@ -71,9 +71,9 @@ class Scheduler:
             output.sub_batches.append(batch)
         return output
 
-    def observe(self, plan: SchedulerOutput, host_seconds: float) -> None:
-        """What executing ``plan`` measured (its host attention seconds), for schedulers that
-        learn from it; gpu-only does not."""
+    def observe(self, plan: SchedulerOutput, host_seconds: float, measured_seconds: float) -> None:
+        """What executing ``plan`` measured (its host attention seconds and its own seconds),
+        for schedulers that learn from it; gpu-only does not."""
 
     def _schedule_decodes(self, batch: SubBatch, output: SchedulerOutput) -> bool:
         """Give each running request its next slot, preempting the newest when blocks run out."""

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from neo.async_offload_scheduler import AsyncOffloadScheduler
 from neo.block_manager import BlockManager
 from neo.config import EngineConfig
-from neo.perf_model import HostTimeCalibration, PerfModel
+from neo.perf_model import HostBatchInterference, HostTimeCalibration, PerfModel
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.scheduler_output import SchedulerOutput
 
 from test_block_manager import check_pools
 from test_offload_scheduler import random_requests, requests_of, synthetic_model
@@ -132,6 +133,72 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
                 decode(scheduler, request)
     expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
     assert launches == expected
+
+
+def test_interference_is_the_slowdown_beside_host_batches_over_the_estimate_alone():
+    interference = HostBatchInterference(window=8, min_samples=3)
+    for _ in range(2):
+        interference.observe(0.010, 0.030, beside_host_batch=True)
+    assert interference.factor is None  # too few iterations beside a batch yet
+    interference.observe(0.010, 0.030, beside_host_batch=True)
+    assert interference.factor == pytest.approx(3.0)  # nothing alone yet: against the estimate itself
+    for measured in (0.012, 0.012, 0.012):  # alone, the estimate is 1.2x optimistic
+        interference.observe(0.010, measured, beside_host_batch=False)
+    assert interference.factor == pytest.approx(2.5)
+    interference.observe(0.0, 0.5, beside_host_batch=True)  # no estimate: ignored
+    assert interference.factor == pytest.approx(2.5)
+    for _ in range(8):  # beside as fast as alone, or faster: no slowdown
+        interference.observe(0.010, 0.011, beside_host_batch=True)
+    assert interference.factor == 1.0
+
+
+def slow_host_batch_scheduler(host_requests: int) -> AsyncOffloadScheduler:
+    """GPU: 10 decodes, 10 ms an iteration (1000 tokens/s); a host batch's stages take 10 ms
+    and its host attention 1 ms per request."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    model.table.cpu_attention_seconds = [[1e-3 * requests] * len(model.table.cpu_attention_tokens[0])
+                                         for requests in model.table.cpu_attention_requests]
+    scheduler = make_scheduler("neo", gpu_blocks=10, cpu_blocks=400, perf_model=model)
+    running_requests(scheduler, GPU, 10)
+    running_requests(scheduler, CPU, host_requests)
+    return scheduler
+
+
+def run_iteration(scheduler: AsyncOffloadScheduler, slowdown: float) -> SchedulerOutput:
+    """Plan, "execute" (the GPU iteration, 10 ms alone, takes ``slowdown`` times as long
+    beside a host batch), and complete the host batch at once."""
+    plan = scheduler.schedule()
+    scheduler.observe(plan, 0.0, 0.01 * (slowdown if scheduler.in_flight else 1.0))
+    for request in plan.requests:
+        decode(scheduler, request)
+    if plan.host_batch is not None:
+        for request in scheduler.host_batch_done(host_seconds=None):
+            decode(scheduler, request)
+    return plan
+
+
+def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_slower():
+    """40 host requests: a batch lasts 50 ms (10 ms of GPU stages, 40 ms of host attention),
+    so before anything is measured it costs 10 tokens of GPU time and pays. Beside it the GPU
+    iterations measure 2x slower: it costs (1 - 1/2) * 50 ms, 25 tokens, and still pays; 10x
+    slower: 45 tokens, more than its 40, so batches wait ``max_host_wait`` iterations, then
+    run anyway."""
+    scheduler = slow_host_batch_scheduler(40)
+    launches = [run_iteration(scheduler, slowdown=2.0).host_batch is not None
+                for _ in range(HostBatchInterference().min_samples + 2)]
+    assert all(launches) and scheduler.interference.factor == pytest.approx(2.0)
+    plan = scheduler.schedule()
+    assert plan.host_batch is not None and scheduler.in_flight
+    assert plan.predicted_time == pytest.approx(2.0 * 0.01)  # beside a batch: the measured slowdown
+    scheduler.host_batch_done(host_seconds=None)
+
+    scheduler = slow_host_batch_scheduler(40)
+    for _ in range(scheduler.interference.min_samples):
+        scheduler.interference.observe(0.01, 0.1, beside_host_batch=True)
+    launches = [run_iteration(scheduler, slowdown=10.0).host_batch is not None
+                for _ in range(scheduler.max_host_wait + 1)]
+    assert launches == [False] * scheduler.max_host_wait + [True]
 
 
 def test_without_gpu_work_a_host_batch_runs_whatever_it_pays():

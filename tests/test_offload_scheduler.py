@@ -228,7 +228,7 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
     def on_plan(plan):  # what the engine does after executing the plan
         host_bound = [r for b in plan.sub_batches for r in b.prefills if r.location is CPU]
         (after if len(measured_iterations) > 1 else before).extend(host_bound)
-        scheduler.observe(plan, measured_over_profiled * (plan.profiled_host_time or 0.0))
+        scheduler.observe(plan, measured_over_profiled * (plan.profiled_host_time or 0.0), plan.predicted_time)
         if scheduler.host_calibration.num_samples:
             measured_iterations.append(plan)
 
