@@ -152,6 +152,8 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                                                duration=duration, show_progress=True)
                 records = [dataclasses.asdict(r) for r in engine.trace.records] if engine.trace else []
                 result["trace"] = trace_statistics(records)
+                interference = getattr(engine.scheduler, "interference", None)  # async host pipeline
+                result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
                 if traces_directory is not None:
                     result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
@@ -171,9 +173,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
     parser.add_argument("--policies", default=None, help="comma-separated subset of gpu-only,neo,full-offload")
-    parser.add_argument("--host-pipelines", default="lockstep",
+    parser.add_argument("--host-pipelines", default="async",
                         help="comma-separated host pipelines (lockstep, async) to run each offloading policy with")
     parser.add_argument("--workloads", default=None, help="';'-separated workloads instead of the scenario's")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated host attention thread counts instead of the scenario's")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--duration", type=float, default=None, help="seconds per run at most")
     parser.add_argument("--max-num-seqs", type=int, default=512)
@@ -210,8 +214,10 @@ def main() -> None:
     runs = report["runs"]
     # gpu-only runs no host attention: once, whatever the scenario's host thread counts.
     pipelines = args.host_pipelines.split(",")
+    thread_counts = ([int(count) for count in args.threads.split(",")] if args.threads
+                     else scenario.get("threads", (None,)))
     runs_to_make = [(policy, threads, pipeline) for policy in policies
-                    for threads in (scenario.get("threads", (None,)) if policy != "gpu-only" else (None,))
+                    for threads in (thread_counts if policy != "gpu-only" else (None,))
                     for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])]
     for policy, threads, pipeline in runs_to_make:
         config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads, host_pipeline=pipeline)
