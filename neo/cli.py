@@ -30,8 +30,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-attention-threads", type=int, default=None)
     group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false")
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
-                       help="lockstep: host decodes in each iteration's two sub-batches; async: "
-                            "host decodes as their own batch beside the GPU's iterations")
+                       help="async: host decodes as their own batch beside the GPU's iterations; "
+                            "lockstep: host decodes in each iteration's two sub-batches")
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 POLICIES = ("gpu-only", "neo", "full-offload")
-HOST_PIPELINES = ("lockstep", "async")
+HOST_PIPELINES = ("async", "lockstep")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -30,9 +30,9 @@ class EngineConfig:
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
         at most ``cuda_graph_max_context`` tokens.
     host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
-        "lockstep" (each iteration's two sub-batches, the host decodes among them, go through the
-        layers together) or "async" (host decodes run as their own batch on a stream of their
-        own, which spans as many GPU iterations as its host attention takes).
+        "async" (host decodes run as their own batch on a stream of their own, which spans as
+        many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
+        sub-batches, the host decodes among them, go through the layers together).
     """
 
     model: str = "neo-tiny"
@@ -50,7 +50,7 @@ class EngineConfig:
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
     cuda_graph_max_context: int = 8192
-    host_pipeline: str = "lockstep"
+    host_pipeline: str = "async"
     perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0

@@ -85,7 +85,8 @@ def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="bfloat16", policy=policy,
                                     gpu_kv_cache_gib=gib_for_blocks(gpu_blocks, 2 * 4 * 2 * 16 * 32 * 2),
                                     cpu_kv_cache_gib=gib_for_blocks(256, 2 * 4 * 2 * 16 * 32 * 2),
-                                    perf_model="zero", max_num_seqs=8, use_cuda_graphs=False))
+                                    perf_model="zero", max_num_seqs=8, use_cuda_graphs=False,
+                                    host_pipeline="lockstep"))  # every token through runner.execute
     recorded = {}
     requests = {}
     current = []  # the requests of the iteration being executed, in logits-row order
@@ -130,6 +131,22 @@ def test_policies_agree_on_logits_in_bf16():
             expected_row = reference[key]
             error = (row - expected_row).abs().max() / expected_row.abs().max()
             assert error < 3e-2, f"{policy}: logits of prompt {key[0]} token {key[1]} differ by {error:.3g}"
+
+
+def test_concurrently_replayed_graphs_are_captured_on_streams_of_their_own():
+    """Under the async host pipeline the host batches' pipeline graphs replay beside the decode
+    graphs. Graphs captured on one stream share its cuBLAS workspace, and GEMMs sharing a
+    workspace at the same time deadlocked the GPU (benchmarks/concurrent_graphs.py)."""
+    llm = LLM("neo-tiny", device="cuda", dtype="float32", policy="neo", gpu_kv_cache_gib=gib_for_blocks(10),
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline="async")
+    try:
+        runner = llm.engine.runner
+        streams = {runner.decode_graphs.capture_stream.cuda_stream,
+                   runner.host_batches.graphs.capture_stream.cuda_stream}
+        shared = torch.cuda.graph.default_capture_stream
+        assert len(streams) == 2 and (shared is None or shared.cuda_stream not in streams)
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
