@@ -101,7 +101,7 @@ class AsyncOffloadScheduler(OffloadScheduler):
             if slowdown is None:
                 slowdown = 1 + self._linear_share(len(self.in_flight), self._in_flight_predicted_time)
         output.predicted_time = alone * slowdown
-        decode_only = batch0 and not batch0.prefills and not swaps
+        decode_only = bool(batch0) and not batch0.prefills and not swaps
         self._planned_decode_iteration = (alone, bool(self.in_flight)) if decode_only else None
 
     def _launch_host_batch(self, batch0: SubBatch, host_requests: list[Request], output: SchedulerOutput) -> None:

@@ -14,8 +14,8 @@ Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of i
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
 workspaces by stream), and ``torch.cuda.graph`` otherwise captures every graph on one shared
 stream: the GPU iterations' graphs and the host batches' graphs, which the async host pipeline
-replays at the same time on two streams, then shared a workspace, and their GEMMs corrupted
-each other's partial sums or waited on each other forever (``benchmarks/concurrent_graphs.py``).
+replays at the same time on two streams, then shared a workspace, and their GEMMs waited on
+each other forever: the GPU deadlocked (``benchmarks/concurrent_graphs.py`` reproduces it).
 """
 
 import logging

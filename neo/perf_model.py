@@ -213,10 +213,10 @@ class HostBatchInterference:
 
     A host batch (async host pipeline) costs the GPU's iterations more than its own stages'
     GPU time: its kernels share the SMs, and its host attention's threads share the host with
-    the thread that launches the iterations. On the H100 host, Qwen2.5-32B decode iterations
-    beside host batches took 1.07x their time alone, Llama-3.1-8B ones (9 ms, launch-bound)
-    far more. Each decode iteration gives the ratio of its measured to its estimated time
-    alone; ``factor`` is the median ratio of the last ``window`` iterations beside a batch over
+    the thread that launches the iterations. On the H100 host, decode iterations beside host
+    batches took 1.10-1.11x their estimate alone on Qwen2.5-32B shapes and 1.02-1.11x on
+    Llama-3.1-8B shapes. Each decode iteration gives the ratio of its measured to its estimated
+    time alone; ``factor`` is the median ratio of the last ``window`` iterations beside a batch over
     that of those alone (1 while fewer than ``min_samples`` ran alone: the estimate itself),
     at least 1. None until ``min_samples`` iterations ran beside a batch.
     """
