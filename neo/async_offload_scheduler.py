@@ -95,11 +95,10 @@ class AsyncOffloadScheduler(OffloadScheduler):
         self._launch_host_batch(batch0, host_requests, output)
         swaps = bool(output.swap_in or output.swap_out)
         alone = self._sequential_time(batch0, swaps=swaps) if batch0 else 0.0
-        slowdown = 1.0  # beside the host batch in flight, whose stages share the GPU with this iteration
+        slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight:
-            slowdown = self.interference.factor
-            if slowdown is None:
-                slowdown = 1 + self._linear_share(len(self.in_flight), self._in_flight_predicted_time)
+            slowdown = self.interference.factor or 1 + (self.perf_model.linear(len(self.in_flight))
+                                                         / (self._in_flight_predicted_time + EPSILON))
         output.predicted_time = alone * slowdown
         decode_only = bool(batch0) and not batch0.prefills and not swaps
         self._planned_decode_iteration = (alone, bool(self.in_flight)) if decode_only else None
@@ -157,10 +156,6 @@ class AsyncOffloadScheduler(OffloadScheduler):
             return linear
         seconds = self.perf_model.host_batch_time(linear, self._host_attention(num_host_decodes, context_tokens))
         return max(linear, (1 - 1 / slowdown) * seconds)
-
-    def _linear_share(self, num_host_decodes: int, batch_seconds: float) -> float:
-        """The share of a host batch's time its GPU stages take."""
-        return self.perf_model.linear(num_host_decodes) / batch_seconds if batch_seconds > 0 else 0.0
 
     def _host_decode_economics(self, gpu_requests: list[Request],
                                host_requests: list[Request]) -> tuple[bool, bool]:
