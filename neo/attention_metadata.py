@@ -29,12 +29,12 @@ class AttentionMetadata:
     max_prefill_len: int
     gpu_block_table: torch.Tensor  # int32 [num_gpu_decodes, max_blocks]
     gpu_seq_lens: torch.Tensor  # int32 [num_gpu_decodes], current token included
-    # Host side: CPU decodes and prefills whose KV goes to the host cache.
+    # Host side: CPU decodes (host tensors) and prefill tokens whose K/V goes to the host cache.
     cpu_block_table_host: torch.Tensor  # int32 [num_cpu_decodes, max_blocks]
     cpu_seq_lens_host: torch.Tensor  # int32 [num_cpu_decodes], current token included
     cpu_slot_mapping_host: torch.Tensor  # int64 [num_cpu_decodes]: host-cache slot of each new token
     offload_token_indices: torch.Tensor  # int64 [N] (compute device): prefill tokens bound for host
-    offload_slot_mapping_host: torch.Tensor  # int64 [N]: their host-cache slots
+    offload_slot_mapping: torch.Tensor  # int64 [N] (compute device): their host-cache slots
 
     @classmethod
     def for_captured_decodes(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -53,7 +53,7 @@ class AttentionMetadata:
             cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
             cpu_slot_mapping_host=empty_int64,
             offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-            offload_slot_mapping_host=empty_int64)
+            offload_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
 
     @property
     def num_tokens(self) -> int:

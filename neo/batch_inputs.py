@@ -89,7 +89,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
         cpu_seq_lens_host=torch.tensor([r.num_tokens for r in batch.cpu_decodes], dtype=int32),
         cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=int64),
         offload_token_indices=_to_device(offload_indices, int64, device),
-        offload_slot_mapping_host=torch.tensor(offload_slots, dtype=int64),
+        offload_slot_mapping=_to_device(offload_slots, int64, device),
     )
     return BatchInputs(
         requests=batch.prefills + batch.gpu_decodes + batch.cpu_decodes,

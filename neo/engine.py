@@ -74,7 +74,6 @@ class LLMEngine:
         max_blocks_per_sequence = -(-self.max_model_len // config.block_size)
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
-                                    max_offload_tokens=config.max_num_batched_tokens,
                                     max_blocks_per_sequence=max_blocks_per_sequence,
                                     measure_gpu_busy=config.trace_path is not None)
         asynchronous = config.host_pipeline == "async" and self.worker is not None

@@ -2,7 +2,8 @@
 
 Stages of layer ``i`` for sub-batch ``b`` (see ``models/llama.py``)::
 
-    pre(b, i)       add + RMSNorm, QKV projection, rotary, store new K/V in the GPU cache
+    pre(b, i)       add + RMSNorm, QKV projection, rotary, store new K/V in the GPU cache, and
+                    the K/V of prefill tokens bound for the host straight into the host cache
     attn_gpu(b, i)  prefill attention and decode attention over the GPU cache
     attn_cpu(b, i)  store new K/V in the host cache + decode attention over it, on the host CPU
     post(b, i)      O projection, add + RMSNorm, gate/up projection, SiLU-and-mul, down projection
@@ -19,9 +20,13 @@ sub-batch while the other device works on the other::
     layer i:  GPU | post(1,i-1) pre(1,i) | post(0,i-1) pre(0,i) attn_gpu(0,i) |
               CPU |    attn_cpu(0,i-1)   |            attn_cpu(1,i)           |
 
-Host attention of a sub-batch, per layer: its queries and new K/V (and the K/V a prefill made
-for a request that will decode on the host) are copied to pinned buffers on the copy stream
-once ``pre`` made them; the host stores the K/V into the host cache and runs
+The K/V a prefill makes for a request that will decode on the host is written by the compute
+device itself into the host cache (``KVCache.cpu_layers_for_device``; on a GPU the store kernel
+writes the page-locked pool over PCIe), in stream order with the layer's other work: no host
+code runs for it, so it never queues behind host attention running at the time.
+
+Host attention of a sub-batch, per layer: its queries and new K/V are copied to pinned buffers
+on the copy stream once ``pre`` made them; the host stores the K/V into the host cache and runs
 ``paged_decode_attention``; the result is copied back into the attention output, and the
 compute stream waits for that copy (an event) right before ``post``. Two hand-offs:
 
@@ -77,36 +82,29 @@ class _SlotBuffers:
     key: torch.Tensor  # [max_decodes, KVH, D] pinned
     value: torch.Tensor  # [max_decodes, KVH, D] pinned
     output: torch.Tensor  # [max_decodes, H, D] pinned
-    offload_key: torch.Tensor  # [max_offload_tokens, KVH, D] pinned
-    offload_value: torch.Tensor  # [max_offload_tokens, KVH, D] pinned
     slot_mapping: torch.Tensor  # int64 [max_decodes]: host-cache slot of each decode's new token
     block_table: torch.Tensor  # int32 [max_decodes, max_blocks_per_sequence]
     seq_lens: torch.Tensor  # int32 [max_decodes]
-    offload_slot_mapping: torch.Tensor  # int64 [max_offload_tokens]
-    counts: torch.Tensor  # int64 [2]: host decodes and offloaded prefill tokens of the iteration
+    num_decodes: torch.Tensor  # int64 [1]: host decodes of the iteration
 
     @classmethod
-    def allocate(cls, max_decodes, max_offload_tokens, max_blocks, num_heads, num_kv_heads, head_dim, dtype):
+    def allocate(cls, max_decodes, max_blocks, num_heads, num_kv_heads, head_dim, dtype):
         def pinned(*shape):  # zeroed: rows a captured graph copies back unattended stay finite
             return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
         return cls(pinned(max_decodes, num_heads, head_dim), pinned(max_decodes, num_kv_heads, head_dim),
                    pinned(max_decodes, num_kv_heads, head_dim), pinned(max_decodes, num_heads, head_dim),
-                   pinned(max_offload_tokens, num_kv_heads, head_dim),
-                   pinned(max_offload_tokens, num_kv_heads, head_dim),
                    torch.zeros(max_decodes, dtype=torch.int64),
                    torch.zeros(max_decodes, max_blocks, dtype=torch.int32),
                    torch.ones(max_decodes, dtype=torch.int32),
-                   torch.zeros(max_offload_tokens, dtype=torch.int64),
-                   torch.zeros(2, dtype=torch.int64))
+                   torch.zeros(1, dtype=torch.int64))
 
     def load(self, meta: AttentionMetadata) -> None:
         """Copy the sub-batch's host metadata in (the host functions read it from here)."""
-        decodes, offloaded = meta.num_cpu_decodes, meta.num_offloaded_prefill_tokens
-        if decodes > self.query.shape[0] or offloaded > self.offload_key.shape[0]:
-            raise ValueError(f"a sub-batch of {decodes} host decodes and {offloaded} offloaded prefill "
-                             f"tokens exceeds the pipeline's buffers ({self.query.shape[0]}, "
-                             f"{self.offload_key.shape[0]})")
+        decodes = meta.num_cpu_decodes
+        if decodes > self.query.shape[0]:
+            raise ValueError(f"a sub-batch of {decodes} host decodes exceeds the pipeline's buffers "
+                             f"({self.query.shape[0]} rows)")
         if decodes:
             width = meta.cpu_block_table_host.shape[1]
             if width > self.block_table.shape[1]:
@@ -115,9 +113,7 @@ class _SlotBuffers:
             self.slot_mapping[:decodes] = meta.cpu_slot_mapping_host
             self.block_table[:decodes, :width] = meta.cpu_block_table_host
             self.seq_lens[:decodes] = meta.cpu_seq_lens_host
-        if offloaded:
-            self.offload_slot_mapping[:offloaded] = meta.offload_slot_mapping_host
-        self.counts[0], self.counts[1] = decodes, offloaded
+        self.num_decodes[0] = decodes
 
 
 @dataclass
@@ -127,12 +123,9 @@ class _HostInputs:
     query: torch.Tensor  # [num_cpu_decodes, H, D]
     key: torch.Tensor  # [num_cpu_decodes, KVH, D]
     value: torch.Tensor
-    offload_key: torch.Tensor | None  # [num_offloaded_prefill_tokens, KVH, D]
-    offload_value: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor]:
-        extra = [self.offload_key, self.offload_value] if self.offload_key is not None else []
-        return [self.query, self.key, self.value] + extra
+        return [self.query, self.key, self.value]
 
 
 @dataclass
@@ -150,8 +143,8 @@ class PipelineExecutor:
     """Executes sub-batches layer by layer on the compute device and the host CPU."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device,
-                 worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_offload_tokens: int,
-                 max_blocks_per_sequence: int, measure_gpu_busy: bool = False):
+                 worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_blocks_per_sequence: int,
+                 measure_gpu_busy: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -162,8 +155,7 @@ class PipelineExecutor:
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.slots: list[_SlotBuffers] = []
         if self.on_cuda and worker is not None:
-            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_offload_tokens, max_blocks_per_sequence,
-                                                config.num_heads, config.num_kv_heads, config.head_dim,
+            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_blocks_per_sequence, config.num_heads, config.num_kv_heads, config.head_dim,
                                                 kv_cache.layout.dtype)
                           for _ in range(NUM_SLOTS)]
         self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
@@ -175,9 +167,8 @@ class PipelineExecutor:
         if self.stream_ordered_host_work:
             stream = self.copy_stream
             self.stages = [torch.classes.neo_pipeline.HostDecodeStage(
-                slot.query, slot.key, slot.value, slot.output, slot.offload_key, slot.offload_value,
-                slot.slot_mapping, slot.block_table, slot.seq_lens, slot.offload_slot_mapping, slot.counts,
-                self.host_failure, self.host_seconds, self.scale, worker.num_threads, config.num_layers,
+                slot.query, slot.key, slot.value, slot.output, slot.slot_mapping, slot.block_table,
+                slot.seq_lens, slot.num_decodes, self.host_failure, self.host_seconds, self.scale, worker.num_threads, config.num_layers,
                 stream.stream_id, stream.device_index, stream.device_type) for slot in self.slots]
         # GPU busy time per iteration (for the trace): the iteration's span minus the time the
         # compute stream spent waiting for the host, from timing events on the compute stream
@@ -299,6 +290,10 @@ class PipelineExecutor:
         query, key, value, state.residual = layer.pre_attention(state.hidden, state.residual, meta,
                                                                 k_cache, v_cache)
         state.attention_output = torch.empty_like(query)
+        if meta.num_offloaded_prefill_tokens:
+            host_k_cache, host_v_cache = self.kv_cache.cpu_layers_for_device[layer_index]
+            torch.ops.neo.store_kv_cache(key[meta.offload_token_indices], value[meta.offload_token_indices],
+                                         host_k_cache, host_v_cache, meta.offload_slot_mapping)
         host_inputs = self._host_inputs(meta, query, key, value)
         if host_inputs is not None:  # queued before attn_gpu, so the copies may start meanwhile
             state.pending = self._start_host_work(meta, layer_index, slot, host_inputs, state.attention_output)
@@ -315,16 +310,13 @@ class PipelineExecutor:
 
     def _host_inputs(self, meta: AttentionMetadata, query, key, value) -> _HostInputs | None:
         """The rows the host needs for this layer (contiguous: ``pre_attention``'s outputs are)."""
-        if meta.num_cpu_decodes == 0 and meta.num_offloaded_prefill_tokens == 0:
+        if meta.num_cpu_decodes == 0:
             return None
         if self.worker is None:
             raise RuntimeError("this engine has no host KV cache worker (policy gpu-only), but "
-                               "the plan has host decodes or host-bound prefills")
+                               "the plan has host decodes")
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
-        offload = meta.num_offloaded_prefill_tokens > 0
-        return _HostInputs(query[rows], key[rows], value[rows],
-                           key[meta.offload_token_indices] if offload else None,
-                           value[meta.offload_token_indices] if offload else None)
+        return _HostInputs(query[rows], key[rows], value[rows])
 
     def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
                          inputs: _HostInputs, attention_output: torch.Tensor):
@@ -332,8 +324,8 @@ class PipelineExecutor:
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
         if self.stages:
             stage = self.stages[slot]
-            stage.start(layer_index, inputs.query, inputs.key, inputs.value, inputs.offload_key,
-                        inputs.offload_value, attention_output[rows], host_k_cache, host_v_cache)
+            stage.start(layer_index, inputs.query, inputs.key, inputs.value, attention_output[rows],
+                        host_k_cache, host_v_cache)
             return stage
         if not self.on_cuda:
             output = torch.empty_like(inputs.query)
@@ -358,10 +350,7 @@ class PipelineExecutor:
         """Queue copies of the inputs into this slot's pinned buffers on the copy stream."""
         buffers = self.slots[slot]
         decodes = inputs.query.shape[0]
-        offloads = inputs.offload_key.shape[0] if inputs.offload_key is not None else 0
-        pinned = _HostInputs(buffers.query[:decodes], buffers.key[:decodes], buffers.value[:decodes],
-                             buffers.offload_key[:offloads] if offloads else None,
-                             buffers.offload_value[:offloads] if offloads else None)
+        pinned = _HostInputs(buffers.query[:decodes], buffers.key[:decodes], buffers.value[:decodes])
         for source, destination in zip(inputs.tensors(), pinned.tensors()):
             destination.copy_(source, non_blocking=True)
             source.record_stream(self.copy_stream)
@@ -370,15 +359,10 @@ class PipelineExecutor:
     def _host_task(self, inputs: _HostInputs, output, meta: AttentionMetadata, host_k_cache,
                    host_v_cache) -> torch.Tensor:
         """Store the new K/V in the host cache and attend there (the worker's job)."""
-        if inputs.offload_key is not None:
-            torch.ops.neo.store_kv_cache(inputs.offload_key, inputs.offload_value, host_k_cache,
-                                         host_v_cache, meta.offload_slot_mapping_host)
-        if meta.num_cpu_decodes:
-            torch.ops.neo.store_kv_cache(inputs.key, inputs.value, host_k_cache, host_v_cache,
-                                         meta.cpu_slot_mapping_host)
-            torch.ops.neo.paged_decode_attention(output, inputs.query, host_k_cache, host_v_cache,
-                                                 meta.cpu_block_table_host, meta.cpu_seq_lens_host,
-                                                 self.scale)
+        torch.ops.neo.store_kv_cache(inputs.key, inputs.value, host_k_cache, host_v_cache,
+                                     meta.cpu_slot_mapping_host)
+        torch.ops.neo.paged_decode_attention(output, inputs.query, host_k_cache, host_v_cache,
+                                             meta.cpu_block_table_host, meta.cpu_seq_lens_host, self.scale)
         return output
 
     def _collect_host_work(self, state: _SubBatchState) -> None:
@@ -390,10 +374,9 @@ class PipelineExecutor:
         if isinstance(pending, tuple):
             future, rows = pending
             output = future.result()
-            if state.metadata.num_cpu_decodes:
-                # On the compute stream: the next stage needs these rows, and the pinned buffer
-                # is rewritten only after an event recorded behind this copy.
-                state.attention_output[rows].copy_(output, non_blocking=self.on_cuda)
+            # On the compute stream: the next stage needs these rows, and the pinned buffer is
+            # rewritten only after an event recorded behind this copy.
+            state.attention_output[rows].copy_(output, non_blocking=self.on_cuda)
         else:
             pending.finish()
         if before is not None:

@@ -80,7 +80,7 @@ class HostBatchRunner:
         self.block_size = kv_cache.layout.block_size
         self.worker = worker
         self.executor = PipelineExecutor(model, kv_cache, device, worker, max_cpu_decodes=max_decodes,
-                                         max_offload_tokens=0, max_blocks_per_sequence=max_blocks_per_sequence)
+                                         max_blocks_per_sequence=max_blocks_per_sequence)
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.graphs = None

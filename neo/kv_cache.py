@@ -54,6 +54,27 @@ def _pin(tensor: torch.Tensor) -> None:
                            f"cpu_kv_cache_gib or raise the locked-memory limit (ulimit -l)")
 
 
+class _DeviceAddressedHostMemory:
+    """Hands a page-locked host tensor to torch as a CUDA tensor over the same bytes
+    (``__cuda_array_interface__``). Registered host memory is mapped for the device, at its host
+    address where the device can use host pointers for registered memory (every CUDA device on
+    x86-64 Linux), so kernels given this tensor read and write the host memory over PCIe."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host  # keeps the memory alive as long as the CUDA tensor over it
+        self.__cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                         "data": (host.data_ptr(), False), "version": 2}
+
+
+def _device_addressed(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` aliasing the page-locked contiguous host tensor ``host``."""
+    alias = torch.as_tensor(_DeviceAddressedHostMemory(host), device=device)
+    if alias.device != device or alias.data_ptr() != host.data_ptr():
+        raise RuntimeError(f"the page-locked host KV cache is not addressable from {device} at its "
+                           f"host address (got a view on {alias.device} at {alias.data_ptr():#x})")
+    return alias.view(host.dtype).view(host.shape)
+
+
 def _allocate(pool: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool (unused slots then hold finite values), the host one in huge pages; a
     clear error when it does not fit."""
@@ -73,6 +94,9 @@ class KVCache:
 
     The compute-device pool lives on ``device``; the host pool in host memory, page-locked when
     the compute device is a GPU so swaps and layer-wise copies run as asynchronous DMA.
+    ``cpu_layers`` are the host pool's layers as CPU tensors (for the host CPU's kernels);
+    ``cpu_layers_for_device`` the same memory as tensors of the compute device, which its
+    kernels write directly (on a GPU: over PCIe, through the mapping of the page-locked pool).
     """
 
     def __init__(self, layout: CacheLayout, device: torch.device):
@@ -85,10 +109,16 @@ class KVCache:
             _pin(self.cpu)
         self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
         self.cpu_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
+        self.cpu_for_device = self.cpu
+        if device.type == "cuda" and layout.num_cpu_blocks:
+            self.cpu_for_device = _device_addressed(self.cpu, device)
+        self.cpu_layers_for_device = [(self.cpu_for_device[i, 0], self.cpu_for_device[i, 1])
+                                      for i in range(layout.num_layers)]
 
     def close(self) -> None:
         """Unpin the host pool (the tensors are freed when the last reference goes)."""
         if self.device.type == "cuda" and self.layout.num_cpu_blocks and self.cpu is not None:
+            self.cpu_layers_for_device = self.cpu_for_device = None  # before the memory goes
             torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())
             self.cpu = None
 

@@ -66,7 +66,7 @@ def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, ma
         cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
         cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
         offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-        offload_slot_mapping_host=torch.empty(0, dtype=torch.int64))
+        offload_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
     input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)

@@ -4,18 +4,16 @@
 // the slot's pinned row buffers and host metadata (filled by the executor once per iteration)
 // and, per layer, one call
 //
-//   stage.start(layer, query_rows, key_rows, value_rows, offload_key, offload_value,
-//               output_rows, k_cache, v_cache)
+//   stage.start(layer, query_rows, key_rows, value_rows, output_rows, k_cache, v_cache)
 //
 // queues on the copy stream, behind an event recorded on the current (compute) stream:
-// the copies of the sub-batch's host-decode rows (and of a prefill's K/V bound for the host
-// cache) into the pinned buffers, a CUDA host function that stores the new K/V into the host
-// cache and runs paged decode attention there with the CPU kernels of torch.ops.neo (ISPC), the
-// copy of the result into output_rows, and an event that stage.finish() makes the compute
-// stream wait for. No Python and no GIL run between the layers, and the launching thread never
-// blocks on the host.
+// the copies of the sub-batch's host-decode rows into the pinned buffers, a CUDA host function
+// that stores the new K/V into the host cache and runs paged decode attention there with the
+// CPU kernels of torch.ops.neo (ISPC), the copy of the result into output_rows, and an event
+// that stage.finish() makes the compute stream wait for. No Python and no GIL run between the
+// layers, and the launching thread never blocks on the host.
 //
-// The host function reads how many rows are real from the `counts` buffer at run time, so the
+// The host function reads how many rows are real from the `num_decodes` buffer at run time, so the
 // same calls captured in a CUDA graph (the copies become memcpy nodes, the host function a host
 // node) replay iterations whose row counts are at most the captured ones: padding rows are
 // copied but not attended. Each layer's host function gets a record that lives as long as the
@@ -29,7 +27,6 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
-#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -75,25 +72,21 @@ struct LayerCall {
 
 class HostDecodeStage : public torch::CustomClassHolder {
  public:
-  // Pinned row buffers: query, output [R, H, D]; key, value [R, KVH, D]; offload_key,
-  // offload_value [M, KVH, D]. Host metadata of the slot's iteration (rows [0, counts[0]) and
-  // [0, counts[1]) are read): slot_mapping int64 [R]; block_table int32 [R, max_blocks];
-  // seq_lens int32 [R]; offload_slot_mapping int64 [M]; counts int64 [2] = (host decodes,
-  // offloaded prefill tokens). failure uint8 [>= 2] and host_seconds float64 [1] are shared by
-  // the stages of one executor. The copy stream is given by its (id, device index, device
-  // type) as torch.cuda.Stream reports them.
+  // Pinned row buffers: query, output [R, H, D]; key, value [R, KVH, D]. Host metadata of the
+  // slot's iteration (rows [0, num_decodes[0]) are read): slot_mapping int64 [R]; block_table
+  // int32 [R, max_blocks]; seq_lens int32 [R]; num_decodes int64 [1]. failure uint8 [>= 2] and
+  // host_seconds float64 [1] are shared by the stages of one executor. The copy stream is
+  // given by its (id, device index, device type) as torch.cuda.Stream reports them.
   HostDecodeStage(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor output,
-                  at::Tensor offload_key, at::Tensor offload_value, at::Tensor slot_mapping,
-                  at::Tensor block_table, at::Tensor seq_lens, at::Tensor offload_slot_mapping,
-                  at::Tensor counts, at::Tensor failure, at::Tensor host_seconds, double scale,
-                  int64_t num_threads, int64_t num_layers, int64_t copy_stream_id,
+                  at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
+                  at::Tensor num_decodes, at::Tensor failure, at::Tensor host_seconds,
+                  double scale, int64_t num_threads, int64_t num_layers, int64_t copy_stream_id,
                   int64_t copy_stream_device_index, int64_t copy_stream_device_type)
       : query_(std::move(query)), key_(std::move(key)), value_(std::move(value)),
-        output_(std::move(output)), offload_key_(std::move(offload_key)),
-        offload_value_(std::move(offload_value)), slot_mapping_(std::move(slot_mapping)),
+        output_(std::move(output)), slot_mapping_(std::move(slot_mapping)),
         block_table_(std::move(block_table)), seq_lens_(std::move(seq_lens)),
-        offload_slot_mapping_(std::move(offload_slot_mapping)), counts_(std::move(counts)),
-        failure_(std::move(failure)), host_seconds_(std::move(host_seconds)), scale_(scale),
+        num_decodes_(std::move(num_decodes)), failure_(std::move(failure)),
+        host_seconds_(std::move(host_seconds)), scale_(scale),
         num_threads_(num_threads),
         copy_stream_(c10::cuda::CUDAStream::unpack3(
             copy_stream_id, static_cast<c10::DeviceIndex>(copy_stream_device_index),
@@ -103,24 +96,20 @@ class HostDecodeStage : public torch::CustomClassHolder {
     check_host(output_, "output", dtype, 3);
     check_host(key_, "key", dtype, 3);
     check_host(value_, "value", dtype, 3);
-    check_host(offload_key_, "offload_key", dtype, 3);
-    check_host(offload_value_, "offload_value", dtype, 3);
     check_host(slot_mapping_, "slot_mapping", at::kLong, 1);
     check_host(block_table_, "block_table", at::kInt, 2);
     check_host(seq_lens_, "seq_lens", at::kInt, 1);
-    check_host(offload_slot_mapping_, "offload_slot_mapping", at::kLong, 1);
-    check_host(counts_, "counts", at::kLong, 1);
+    check_host(num_decodes_, "num_decodes", at::kLong, 1);
     check_host(failure_, "failure", at::kByte, 1);
     check_host(host_seconds_, "host_seconds", at::kDouble, 1);
     const int64_t rows = query_.size(0);
     TORCH_CHECK_VALUE(output_.sizes() == query_.sizes() && key_.sizes() == value_.sizes() &&
                           key_.size(0) == rows && slot_mapping_.size(0) == rows &&
-                          block_table_.size(0) == rows && seq_lens_.size(0) == rows &&
-                          offload_value_.sizes() == offload_key_.sizes() &&
-                          offload_slot_mapping_.size(0) == offload_key_.size(0),
+                          block_table_.size(0) == rows && seq_lens_.size(0) == rows,
                       kName, ": the row buffers and metadata disagree on their row counts");
-    TORCH_CHECK_VALUE(counts_.numel() == 2 && failure_.numel() >= 2 && host_seconds_.numel() == 1,
-                      kName, ": counts needs 2 elements, failure at least 2, host_seconds 1");
+    TORCH_CHECK_VALUE(num_decodes_.numel() == 1 && failure_.numel() >= 2 &&
+                          host_seconds_.numel() == 1,
+                      kName, ": num_decodes needs 1 element, failure at least 2, host_seconds 1");
     TORCH_CHECK_VALUE(num_threads >= 1 && num_layers >= 1, kName,
                       ": num_threads and num_layers must be >= 1");
     TORCH_CHECK_VALUE(copy_stream_.device_type() == c10::DeviceType::CUDA, kName,
@@ -144,14 +133,11 @@ class HostDecodeStage : public torch::CustomClassHolder {
 
   // Queue one layer's host work (see the file comment). query_rows [n, H, D], key_rows and
   // value_rows [n, KVH, D], output_rows [n, H, D]: contiguous rows on the compute device, n at
-  // most the buffers' rows; offload_key / offload_value [m, KVH, D] or both None.
+  // most the buffers' rows.
   void start(int64_t layer, at::Tensor query_rows, at::Tensor key_rows, at::Tensor value_rows,
-             std::optional<at::Tensor> offload_key, std::optional<at::Tensor> offload_value,
              at::Tensor output_rows, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK_VALUE(layer >= 0 && layer < static_cast<int64_t>(calls_.size()), kName,
                       ": layer ", layer, " is outside [0, ", calls_.size(), ")");
-    TORCH_CHECK_VALUE(offload_key.has_value() == offload_value.has_value(), kName,
-                      ": give both offload tensors or neither");
     TORCH_CHECK_VALUE(k_cache.is_cpu() && v_cache.is_cpu(), kName,
                       ": the host caches must be CPU tensors");
     check_rows(query_rows, query_, "query_rows");
@@ -162,12 +148,6 @@ class HostDecodeStage : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(key_rows.size(0) == rows && value_rows.size(0) == rows &&
                           output_rows.size(0) == rows,
                       kName, ": query, key, value and output rows differ in number");
-    if (offload_key.has_value()) {
-      check_rows(*offload_key, offload_key_, "offload_key");
-      check_rows(*offload_value, offload_value_, "offload_value");
-      TORCH_CHECK_VALUE(offload_key->size(0) == offload_value->size(0), kName,
-                        ": offload_key and offload_value rows differ in number");
-    }
     const auto device = query_rows.device().index();
     const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device).stream();
     const cudaStream_t copy = copy_stream_.stream();
@@ -176,10 +156,6 @@ class HostDecodeStage : public torch::CustomClassHolder {
     copy_to_host(query_, query_rows, copy);
     copy_to_host(key_, key_rows, copy);
     copy_to_host(value_, value_rows, copy);
-    if (offload_key.has_value()) {
-      copy_to_host(offload_key_, *offload_key, copy);
-      copy_to_host(offload_value_, *offload_value, copy);
-    }
     LayerCall& call = calls_[static_cast<size_t>(layer)];
     call.k_cache = std::move(k_cache);
     call.v_cache = std::move(v_cache);
@@ -193,10 +169,6 @@ class HostDecodeStage : public torch::CustomClassHolder {
     // allocator must not hand their memory out again before the copy stream has read them.
     for (const at::Tensor* tensor : {&query_rows, &key_rows, &value_rows, &output_rows}) {
       c10::cuda::CUDACachingAllocator::recordStream(tensor->storage().data_ptr(), copy_stream_);
-    }
-    if (offload_key.has_value()) {
-      c10::cuda::CUDACachingAllocator::recordStream(offload_key->storage().data_ptr(), copy_stream_);
-      c10::cuda::CUDACachingAllocator::recordStream(offload_value->storage().data_ptr(), copy_stream_);
     }
   }
 
@@ -247,19 +219,11 @@ class HostDecodeStage : public torch::CustomClassHolder {
               .findSchemaOrThrow("neo::paged_decode_attention", "")
               .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, double)>();
-      const int64_t* counts = counts_.data_ptr<int64_t>();
-      const int64_t decodes = counts[0];
-      const int64_t offloaded = counts[1];
-      TORCH_CHECK_VALUE(decodes >= 0 && decodes <= query_.size(0) && offloaded >= 0 &&
-                            offloaded <= offload_key_.size(0),
-                        kName, ": counts (", decodes, ", ", offloaded, ") exceed the buffers (",
-                        query_.size(0), ", ", offload_key_.size(0), ")");
+      const int64_t decodes = num_decodes_.data_ptr<int64_t>()[0];
+      TORCH_CHECK_VALUE(decodes >= 0 && decodes <= query_.size(0), kName, ": num_decodes ",
+                        decodes, " is outside [0, ", query_.size(0), "]");
       at::Tensor k_cache = call.k_cache;
       at::Tensor v_cache = call.v_cache;
-      if (offloaded > 0) {
-        store.call(offload_key_.narrow(0, 0, offloaded), offload_value_.narrow(0, 0, offloaded),
-                   k_cache, v_cache, offload_slot_mapping_.narrow(0, 0, offloaded));
-      }
       if (decodes > 0) {
         store.call(key_.narrow(0, 0, decodes), value_.narrow(0, 0, decodes), k_cache, v_cache,
                    slot_mapping_.narrow(0, 0, decodes));
@@ -276,8 +240,8 @@ class HostDecodeStage : public torch::CustomClassHolder {
     host_seconds_.data_ptr<double>()[0] += elapsed.count();
   }
 
-  at::Tensor query_, key_, value_, output_, offload_key_, offload_value_;
-  at::Tensor slot_mapping_, block_table_, seq_lens_, offload_slot_mapping_, counts_;
+  at::Tensor query_, key_, value_, output_;
+  at::Tensor slot_mapping_, block_table_, seq_lens_, num_decodes_;
   at::Tensor failure_, host_seconds_;
   double scale_;
   int64_t num_threads_;
@@ -292,8 +256,8 @@ class HostDecodeStage : public torch::CustomClassHolder {
 TORCH_LIBRARY(neo_pipeline, library) {
   library.class_<HostDecodeStage>("HostDecodeStage")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                       at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                       at::Tensor, double, int64_t, int64_t, int64_t, int64_t, int64_t>())
+                       at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t,
+                       int64_t, int64_t, int64_t>())
       .def("start", &HostDecodeStage::start)
       .def("finish", &HostDecodeStage::finish);
 }

@@ -134,7 +134,7 @@ class PagedKVHarness:
                                            dtype=torch.int32),
             cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=torch.int64),
             offload_token_indices=on_device(offload_indices, torch.int64),
-            offload_slot_mapping_host=torch.tensor(offload_slots, dtype=torch.int64),
+            offload_slot_mapping=on_device(offload_slots, torch.int64),
         )
         return on_device(token_ids, torch.int64), meta
 
@@ -163,7 +163,7 @@ class PagedKVHarness:
             q, k, v, residual = layer.pre_attention(hidden, residual, meta, k_cache, v_cache)
             offload = meta.offload_token_indices
             torch.ops.neo.store_kv_cache(k[offload].cpu(), v[offload].cpu(), k_host, v_host,
-                                         meta.offload_slot_mapping_host)
+                                         meta.offload_slot_mapping.cpu())
             torch.ops.neo.store_kv_cache(k[gpu_end:].cpu(), v[gpu_end:].cpu(), k_host, v_host,
                                          meta.cpu_slot_mapping_host)
             attn_out = layer.attention(q, k, v, meta, k_cache, v_cache)

@@ -13,6 +13,8 @@ import neo.executor
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.kv_cache import CacheLayout, KVCache
+from neo.ops import reference
 from neo.request import KVLocation
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -147,6 +149,32 @@ def test_concurrently_replayed_graphs_are_captured_on_streams_of_their_own():
         assert len(streams) == 2 and (shared is None or shared.cuda_stream not in streams)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gpu_store_kernel_writes_the_page_locked_host_pool_in_place(dtype):
+    """The K/V a prefill makes for a host-bound request is stored by the GPU's store kernel
+    through ``cpu_layers_for_device``: CUDA tensors over the page-locked host pool's own bytes.
+    The host pool then holds what the reference store writes, in that layer only."""
+    layout = CacheLayout(num_layers=2, num_kv_heads=2, block_size=16, head_dim=64, dtype=dtype,
+                         num_gpu_blocks=4, num_cpu_blocks=8)
+    cache = KVCache(layout, torch.device("cuda"))
+    try:
+        generator = torch.Generator().manual_seed(0)
+        key, value = (torch.randn(20, 2, 64, generator=generator).to(dtype) for _ in range(2))
+        slots = torch.randperm(8 * 16, generator=generator)[:20]
+        device_k, device_v = cache.cpu_layers_for_device[1]
+        host_k, host_v = cache.cpu_layers[1]
+        assert device_k.is_cuda and device_k.data_ptr() == host_k.data_ptr()
+        assert device_v.is_cuda and device_v.data_ptr() == host_v.data_ptr()
+        torch.ops.neo.store_kv_cache(key.cuda(), value.cuda(), device_k, device_v, slots.cuda())
+        torch.cuda.synchronize()
+        expected_k, expected_v = torch.zeros_like(host_k), torch.zeros_like(host_v)
+        reference.store_kv_cache(key, value, expected_k, expected_v, slots)
+        assert torch.equal(host_k, expected_k) and torch.equal(host_v, expected_v)
+        assert not cache.cpu_layers[0][0].any() and not cache.cpu_layers[0][1].any()
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])

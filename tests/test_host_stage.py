@@ -44,15 +44,14 @@ class Setup:
         self.lengths = list(lengths)
         self.generator = generator
         self.copy_stream = torch.cuda.Stream()
-        self.slot = _SlotBuffers.allocate(CAPACITY, 4, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        self.slot = _SlotBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
         self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.seconds = torch.zeros(1, dtype=torch.float64)
         stream = self.copy_stream
         self.stage = torch.classes.neo_pipeline.HostDecodeStage(
-            self.slot.query, self.slot.key, self.slot.value, self.slot.output, self.slot.offload_key,
-            self.slot.offload_value, self.slot.slot_mapping, self.slot.block_table, self.slot.seq_lens,
-            self.slot.offload_slot_mapping, self.slot.counts, self.failure, self.seconds, HEAD_DIM ** -0.5, 2,
-            NUM_LAYERS, stream.stream_id, stream.device_index, stream.device_type)
+            self.slot.query, self.slot.key, self.slot.value, self.slot.output, self.slot.slot_mapping,
+            self.slot.block_table, self.slot.seq_lens, self.slot.num_decodes, self.failure, self.seconds,
+            HEAD_DIM ** -0.5, 2, NUM_LAYERS, stream.stream_id, stream.device_index, stream.device_type)
 
     def load(self, rows: int) -> None:
         """Host metadata of the first ``rows`` sequences, each decoding its last token (the
@@ -70,7 +69,7 @@ class Setup:
         self.slot.slot_mapping[:rows] = torch.tensor(slots)
         self.slot.block_table[:rows, :table.shape[1]] = table
         self.slot.seq_lens[:rows] = torch.tensor(self.lengths[:rows], dtype=torch.int32)
-        self.slot.counts[0], self.slot.counts[1] = rows, 0
+        self.slot.num_decodes[0] = rows
         self.table, self.slots = table, torch.tensor(slots)
 
     def rows(self, count: int):
@@ -97,7 +96,7 @@ def test_queued_stage_equals_the_reference(dtype, generator):
     out = torch.full_like(q, float("nan"))
     k_cache, v_cache = setup.paged.k_cache.clone(), setup.paged.v_cache.clone()
     expected, expected_k, expected_v = setup.expected(q, k, v, 4)
-    setup.stage.start(1, q, k, v, None, None, out, k_cache, v_cache)
+    setup.stage.start(1, q, k, v, out, k_cache, v_cache)
     setup.stage.finish()
     torch.cuda.synchronize()
     assert setup.failure[0] == 0
@@ -114,7 +113,7 @@ def test_captured_stage_attends_over_the_rows_named_at_replay(generator):
     setup.load(4)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        setup.stage.start(0, q, k, v, None, None, out, k_cache, v_cache)
+        setup.stage.start(0, q, k, v, out, k_cache, v_cache)
         setup.stage.finish()
     for rows in (2, 4):  # padded rows ride along in the copies but are not attended
         setup.paged.k_cache.copy_(k_cache)  # the reference starts from the cache as it is now
@@ -138,7 +137,7 @@ def test_host_failure_is_recorded_not_raised(generator):
     q, k, v = setup.rows(2)
     out = torch.zeros_like(q)
     for layer in range(NUM_LAYERS):  # later layers skip their work once one failed
-        setup.stage.start(layer, q, k, v, None, None, out, setup.paged.k_cache, setup.paged.v_cache)
+        setup.stage.start(layer, q, k, v, out, setup.paged.k_cache, setup.paged.v_cache)
         setup.stage.finish()
     torch.cuda.synchronize()
     message = bytes(setup.failure[1:].tolist()).split(b"\0", 1)[0].decode()
@@ -158,4 +157,4 @@ def test_bad_calls_raise(case, generator):
     if case == "head-dim":
         q, out = q[..., :32].contiguous(), out[..., :32].contiguous()
     with pytest.raises((ValueError, RuntimeError), match="HostDecodeStage"):
-        setup.stage.start(layer, q, k, v, None, None, out, setup.paged.k_cache, setup.paged.v_cache)
+        setup.stage.start(layer, q, k, v, out, setup.paged.k_cache, setup.paged.v_cache)
