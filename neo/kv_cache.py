@@ -68,10 +68,13 @@ class _DeviceAddressedHostMemory:
 
 def _device_addressed(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor on ``device`` aliasing the page-locked contiguous host tensor ``host``."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     alias = torch.as_tensor(_DeviceAddressedHostMemory(host), device=device)
     if alias.device != device or alias.data_ptr() != host.data_ptr():
-        raise RuntimeError(f"the page-locked host KV cache is not addressable from {device} at its "
-                           f"host address (got a view on {alias.device} at {alias.data_ptr():#x})")
+        raise RuntimeError(f"the page-locked host KV cache at {host.data_ptr():#x} is not addressable "
+                           f"from {device} at that address (got a view on {alias.device} at "
+                           f"{alias.data_ptr():#x})")
     return alias.view(host.dtype).view(host.shape)
 
 
