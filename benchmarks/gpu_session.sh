@@ -28,6 +28,7 @@
 # Perf-model tables the engine profiles are cached in $NEO_CACHE_DIR (default .carry/cache,
 # so carrying it reuses them) and copied to the results. Wheels in .carry/wheels (the server's
 # packages where the machine lacks them) are installed into /tmp/neo-site first.
+# files/gpu-monitor.csv samples the GPU's clocks, power and throttle reasons every 5 s.
 # Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,7 +44,17 @@ if ls .carry/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/neo-site \
     .carry/wheels/*.whl && export PYTHONPATH=/tmp/neo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+gpu_state() {  # clocks, power, temperature, throttle reasons and other processes on the GPU
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active,utilization.gpu,memory.used \
+    --format=csv 2>/dev/null
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+gpu_state
+# The GPU's clocks, power and throttle reasons every 5 s while the stages run.
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active,utilization.gpu \
+  --format=csv -l 5 > "$out/files/gpu-monitor.csv" 2>/dev/null &
+monitor=$!
 python3 -c 'import torch, os; print("torch", torch.__version__, "cuda", torch.version.cuda, "cpus", os.cpu_count())'
 
 run() {  # run NAME COMMAND...: log it, keep going on failure, remember the status
@@ -166,6 +177,8 @@ for stage in "$@"; do
   fi
   "$function"
 done
+kill $monitor 2>/dev/null
+gpu_state
 [ -d "$NEO_CACHE_DIR/perf" ] && cp -r "$NEO_CACHE_DIR/perf" "$out/files/"
 tar -czf "$out/results.tar.gz" -C "$out" files
 echo "== done $(date -Is); failed: ${failures[*]:-none}"
