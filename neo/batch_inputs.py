@@ -27,10 +27,14 @@ def _block_table(requests: list[Request]) -> torch.Tensor:
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A copy on ``device``, from pageable host memory. Not through ``pin_memory()``: pinning
+    allocates page-locked memory whenever the caching host allocator has no free block of the
+    size (its blocks stay reserved until the streams that used them pass the copies, a whole
+    host batch on the async pipeline's stream), and that allocation waits for the whole device,
+    the host batch in flight included. An asynchronous copy from pageable memory is staged
+    at once and waits for no stream."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+    return host.to(device, non_blocking=True)
 
 
 def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -> BatchInputs:

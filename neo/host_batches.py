@@ -87,6 +87,10 @@ class HostBatchRunner:
         if self.asynchronous and graph_context is not None:
             self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device)
         self.sampler = Sampler()
+        # The sampled tokens of the batch in flight land here (allocated once: allocating
+        # page-locked memory waits for the whole device, the batch just queued included).
+        self.token_buffer = (torch.empty(max_decodes, dtype=torch.int64, pin_memory=True)
+                             if self.stream is not None else None)
         self._in_flight: _InFlight | None = None
 
     @property
@@ -114,7 +118,7 @@ class HostBatchRunner:
             sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
             done = ended = None
             if self.stream is not None:
-                tokens = torch.empty(len(requests), dtype=torch.int64, pin_memory=True)
+                tokens = self.token_buffer[:len(requests)]
                 tokens.copy_(sampled, non_blocking=True)
                 ended = self._timing_event()
                 done = torch.cuda.Event()
