@@ -24,6 +24,12 @@ Azure code trace, re-timed to each rate::
     python benchmarks/online.py --workload azure-code --arrivals scaled --rates 1,2,4,8 \\
         --repeats 3 -- --model llama-3.1-8b --load-format dummy --dtype bfloat16
 
+Policies measured in separate calls (other machine starts): analyze and plot them together
+again, without running a server::
+
+    python benchmarks/online.py --mode report --output-dir DIR --tag 8b-azure \\
+        --merge OTHER_DIR/online-8b-azure-sweep.json
+
 Server overhead (one streaming request through HTTP vs ``LLM.generate`` in this process)::
 
     python benchmarks/online.py --mode overhead --policies gpu-only -- --model llama-3.1-8b \\
@@ -68,9 +74,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Latency against load over HTTP, one neo serve per policy; arguments the "
                     "benchmark does not know (or all after --) go to neo serve.",
         allow_abbrev=False)
-    parser.add_argument("--mode", choices=("sweep", "overhead"), default="sweep",
+    parser.add_argument("--mode", choices=("sweep", "overhead", "report"), default="sweep",
                         help="sweep: latency vs request rate; overhead: one request through "
-                             "HTTP vs LLM.generate")
+                             "HTTP vs LLM.generate; report: analyze and plot the sweep already in "
+                             "--output-dir (--tag) again, with --merge's policies, no server")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies (default: %(default)s)")
     parser.add_argument("--rates", default="0.5,1,2,4",
@@ -107,12 +114,21 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--tag", default="",
                         help="name part of the output files (online-<tag>-sweep.json, ...), to "
                              "keep several runs in one directory")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="SWEEP_JSON",
+                        help="report: fold in the policies of these sweep files (same workload, "
+                             "arrivals and engine options; runs of other machine starts or calls)")
     parser.add_argument("--append", action="store_true",
                         help="sweep: keep the other policies' results already in the sweep's "
                              "JSON file (same workload, arrivals and engine options), so "
                              "policies can be run one command at a time")
     args, engine_args = parser.parse_known_args(argv)
     engine_args = [arg for arg in engine_args if arg != "--"]
+    if args.mode == "report":
+        if args.output_dir is None or engine_args:
+            parser.error("--mode report reads --output-dir's sweep and takes no engine options")
+        return args, engine_args
+    if args.merge:
+        parser.error("--merge is for --mode report")
     for option in RESERVED_ENGINE_OPTIONS:
         if any(arg == option or arg.startswith(option + "=") for arg in engine_args):
             parser.error(f"{option} is set by the benchmark; leave it out of the engine options")
@@ -229,13 +245,7 @@ def new_sweep_results(args, engine_args: list[str], json_path: str) -> dict:
         return results
     with open(json_path) as file:
         previous = json.load(file)
-    for key, now in (("workload", args.workload), ("arrivals", args.arrivals)):
-        if previous["settings"][key] != now:
-            raise SystemExit(f"--append: {json_path} was measured with {key} "
-                             f"{previous['settings'][key]!r}, not {now!r}")
-    if previous["engine_args"] != engine_args:
-        raise SystemExit(f"--append: {json_path} was measured with engine options "
-                         f"{previous['engine_args']}, not {engine_args}")
+    check_same_setup(previous, results, json_path, "--append")
     kept = [policy for policy in previous["policies"] if policy not in args.policies]
     results["runs"] = previous["runs"] + [run]
     results["device"] = previous.get("device")
@@ -243,6 +253,17 @@ def new_sweep_results(args, engine_args: list[str], json_path: str) -> dict:
     results["summaries"] = [entry for entry in previous["summaries"] if entry["policy"] in kept]
     results["records"] = [entry for entry in previous["records"] if entry["policy"] in kept]
     return results
+
+
+def check_same_setup(previous: dict, current: dict, path: str, option: str) -> None:
+    """Sweeps merged into one must share workload, arrivals and engine options."""
+    for key in ("workload", "arrivals"):
+        if previous["settings"][key] != current["settings"][key]:
+            raise SystemExit(f"{option}: {path} was measured with {key} "
+                             f"{previous['settings'][key]!r}, not {current['settings'][key]!r}")
+    if previous["engine_args"] != current["engine_args"]:
+        raise SystemExit(f"{option}: {path} was measured with engine options "
+                         f"{previous['engine_args']}, not {current['engine_args']}")
 
 
 def run_sweep(args, engine_args: list[str], vocab_size: int) -> None:
@@ -258,6 +279,33 @@ def run_sweep(args, engine_args: list[str], vocab_size: int) -> None:
         except Exception as error:  # the other policies still run; the table reports it
             traceback.print_exc()
             results["policies"].setdefault(policy, {})["error"] = f"{type(error).__name__}: {error}"
+    report_sweep(results, args, json_path)
+
+
+def run_report(args) -> None:
+    """Analyze and plot a finished sweep again, folding in the policies of ``--merge``'s files."""
+    json_path = output_path(args, "sweep.json")
+    if not os.path.exists(json_path):
+        raise SystemExit(f"--mode report: no sweep at {json_path}")
+    with open(json_path) as file:
+        results = json.load(file)
+    for path in args.merge:
+        with open(path) as file:
+            other = json.load(file)
+        check_same_setup(other, results, path, "--merge")
+        shared = set(other["policies"]) & set(results["policies"])
+        if shared:
+            raise SystemExit(f"--merge: {path} holds policies {sorted(shared)} that {json_path} has too")
+        results["runs"] += other["runs"]
+        results["policies"] |= other["policies"]
+        results["summaries"] += other["summaries"]
+        results["records"] += other["records"]
+        results.setdefault("device", other.get("device"))
+    report_sweep(results, args, json_path)
+
+
+def report_sweep(results: dict, args, json_path: str) -> None:
+    """Knees, the comparison with gpu-only, both plots and the table; saves the JSON."""
     by_policy: dict[str, list[dict]] = {}
     for summary in results["summaries"]:
         by_policy.setdefault(summary["policy"], []).append(summary)
@@ -268,7 +316,8 @@ def run_sweep(args, engine_args: list[str], vocab_size: int) -> None:
     results["knee"] = knees(curves, REFERENCE_POLICY, args.knee_factor, slo)
     results["comparison"] = compare_to_reference(results["summaries"], REFERENCE_POLICY)
     save_json(json_path, results)
-    title = f"{' '.join(engine_args)} | {args.workload}, {args.arrivals} arrivals"
+    settings = results["settings"]
+    title = f"{' '.join(results['engine_args'])} | {settings['workload']}, {settings['arrivals']} arrivals"
     plot_latency_vs_rate(by_policy, results["knee"], title,
                          output_path(args, "latency-vs-rate.png"))
     tested = sorted({summary["rate"] for summary in results["summaries"]
@@ -441,6 +490,9 @@ def release_device_memory() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, engine_args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    if args.mode == "report":
+        run_report(args)
+        return 0
     config = engine_config(engine_args, args.policies[0])
     vocab_size = resolve_model_config(config.model).vocab_size
     args.output_dir = args.output_dir or os.path.join(

@@ -177,6 +177,21 @@ def test_gpu_store_kernel_writes_the_page_locked_host_pool_in_place(dtype):
         cache.close()
 
 
+def test_serving_allocates_no_page_locked_memory():
+    """Allocating page-locked memory waits for the whole device: under the async host pipeline
+    an iteration that allocated it waited for the host batch in flight. Once the engine is
+    built, serving (prefills of new lengths beside host batches included) allocates none."""
+    llm = LLM("neo-tiny", device="cuda", dtype="float32", policy="neo", gpu_kv_cache_gib=gib_for_blocks(10),
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline="async")
+    try:
+        before = torch.cuda.host_memory_stats()["num_host_alloc"]
+        llm.generate(PROMPTS, GREEDY)
+        assert llm.get_metrics()["host_batches"] > 0
+        assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipeline, monkeypatch):
