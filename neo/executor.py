@@ -155,8 +155,8 @@ class PipelineExecutor:
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.slots: list[_SlotBuffers] = []
         if self.on_cuda and worker is not None:
-            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_blocks_per_sequence, config.num_heads, config.num_kv_heads, config.head_dim,
-                                                kv_cache.layout.dtype)
+            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_blocks_per_sequence, config.num_heads,
+                                                config.num_kv_heads, config.head_dim, kv_cache.layout.dtype)
                           for _ in range(NUM_SLOTS)]
         self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.host_seconds = torch.zeros(1, dtype=torch.float64)  # host functions' time this iteration
@@ -168,8 +168,9 @@ class PipelineExecutor:
             stream = self.copy_stream
             self.stages = [torch.classes.neo_pipeline.HostDecodeStage(
                 slot.query, slot.key, slot.value, slot.output, slot.slot_mapping, slot.block_table,
-                slot.seq_lens, slot.num_decodes, self.host_failure, self.host_seconds, self.scale, worker.num_threads, config.num_layers,
-                stream.stream_id, stream.device_index, stream.device_type) for slot in self.slots]
+                slot.seq_lens, slot.num_decodes, self.host_failure, self.host_seconds, self.scale,
+                worker.num_threads, config.num_layers, stream.stream_id, stream.device_index,
+                stream.device_type) for slot in self.slots]
         # GPU busy time per iteration (for the trace): the iteration's span minus the time the
         # compute stream spent waiting for the host, from timing events on the compute stream
         # (inside a captured graph they are recorded as graph nodes).
