@@ -33,8 +33,10 @@ class AttentionMetadata:
     cpu_block_table_host: torch.Tensor  # int32 [num_cpu_decodes, max_blocks]
     cpu_seq_lens_host: torch.Tensor  # int32 [num_cpu_decodes], current token included
     cpu_slot_mapping_host: torch.Tensor  # int64 [num_cpu_decodes]: host-cache slot of each new token
-    offload_token_indices: torch.Tensor  # int64 [N] (compute device): prefill tokens bound for host
-    offload_slot_mapping: torch.Tensor  # int64 [N] (compute device): their host-cache slots
+    num_offloaded_prefill_tokens: int  # prefill tokens of requests bound for the host pool
+    # int64 [num_prefill_tokens] (compute device): host-cache slot of each prefill token bound
+    # for the host pool, -1 for the others; empty when none is.
+    prefill_host_slot_mapping: torch.Tensor
 
     @classmethod
     def for_captured_decodes(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -52,8 +54,8 @@ class AttentionMetadata:
             gpu_block_table=gpu_block_table, gpu_seq_lens=gpu_seq_lens,
             cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32), cpu_seq_lens_host=empty_int32,
             cpu_slot_mapping_host=empty_int64,
-            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-            offload_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
+            num_offloaded_prefill_tokens=0,
+            prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +65,3 @@ class AttentionMetadata:
     def num_gpu_tokens(self) -> int:
         """Tokens whose attention runs on the compute device (prefills and GPU decodes)."""
         return self.num_prefill_tokens + self.num_gpu_decodes
-
-    @property
-    def num_offloaded_prefill_tokens(self) -> int:
-        return self.offload_token_indices.numel()

@@ -42,8 +42,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    offload_indices: list[int] = []
-    offload_slots: list[int] = []
+    host_slots: list[int] = []  # of the prefill tokens
     cu_seqlens = [0]
     logits_rows: list[int] = []
 
@@ -51,15 +50,11 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
         length = request.num_tokens
         table = request.block_table
         request_slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
-        start = len(token_ids)
         token_ids += request.all_token_ids
         positions += range(length)
-        if request.location is KVLocation.GPU:
-            slots += request_slots
-        else:
-            slots += [-1] * length
-            offload_indices += range(start, start + length)
-            offload_slots += request_slots
+        on_gpu = request.location is KVLocation.GPU
+        slots += request_slots if on_gpu else [-1] * length
+        host_slots += [-1] * length if on_gpu else request_slots
         cu_seqlens.append(cu_seqlens[-1] + length)
         logits_rows.append(len(token_ids) - 1)
     max_prefill_len = max((request.num_tokens for request in batch.prefills), default=0)
@@ -79,6 +74,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
     cpu_slots = add_decodes(batch.cpu_decodes, on_device=False)
 
     int32, int64 = torch.int32, torch.int64
+    num_offloaded = sum(request.num_tokens for request in batch.prefills if request.location is not KVLocation.GPU)
     metadata = AttentionMetadata(
         num_prefill_tokens=cu_seqlens[-1],
         num_gpu_decodes=len(batch.gpu_decodes),
@@ -92,8 +88,8 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
         cpu_block_table_host=_block_table(batch.cpu_decodes),
         cpu_seq_lens_host=torch.tensor([r.num_tokens for r in batch.cpu_decodes], dtype=int32),
         cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=int64),
-        offload_token_indices=_to_device(offload_indices, int64, device),
-        offload_slot_mapping=_to_device(offload_slots, int64, device),
+        num_offloaded_prefill_tokens=num_offloaded,
+        prefill_host_slot_mapping=_to_device(host_slots if num_offloaded else [], int64, device),
     )
     return BatchInputs(
         requests=batch.prefills + batch.gpu_decodes + batch.cpu_decodes,

@@ -291,10 +291,11 @@ class PipelineExecutor:
         query, key, value, state.residual = layer.pre_attention(state.hidden, state.residual, meta,
                                                                 k_cache, v_cache)
         state.attention_output = torch.empty_like(query)
-        if meta.num_offloaded_prefill_tokens:
+        if meta.num_offloaded_prefill_tokens:  # the prefill rows; slot -1 skips GPU-bound prompts
             host_k_cache, host_v_cache = self.kv_cache.cpu_layers_for_device[layer_index]
-            torch.ops.neo.store_kv_cache(key[meta.offload_token_indices], value[meta.offload_token_indices],
-                                         host_k_cache, host_v_cache, meta.offload_slot_mapping)
+            prefill = slice(0, meta.num_prefill_tokens)
+            torch.ops.neo.store_kv_cache(key[prefill], value[prefill], host_k_cache, host_v_cache,
+                                         meta.prefill_host_slot_mapping)
         host_inputs = self._host_inputs(meta, query, key, value)
         if host_inputs is not None:  # queued before attn_gpu, so the copies may start meanwhile
             state.pending = self._start_host_work(meta, layer_index, slot, host_inputs, state.attention_output)

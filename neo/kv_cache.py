@@ -114,16 +114,15 @@ class KVCache:
             _pin(self.cpu)
         self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
         self.cpu_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
-        self.cpu_for_device = self.cpu
+        cpu_for_device = self.cpu
         if device.type == "cuda" and layout.num_cpu_blocks:
-            self.cpu_for_device = _device_addressed(self.cpu, device)
-        self.cpu_layers_for_device = [(self.cpu_for_device[i, 0], self.cpu_for_device[i, 1])
-                                      for i in range(layout.num_layers)]
+            cpu_for_device = _device_addressed(self.cpu, device)
+        self.cpu_layers_for_device = [(cpu_for_device[i, 0], cpu_for_device[i, 1]) for i in range(layout.num_layers)]
 
     def close(self) -> None:
         """Unpin the host pool (the tensors are freed when the last reference goes)."""
         if self.device.type == "cuda" and self.layout.num_cpu_blocks and self.cpu is not None:
-            self.cpu_layers_for_device = self.cpu_for_device = None  # before the memory goes
+            self.cpu_layers_for_device = None  # before the memory goes
             torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())
             self.cpu = None
 

@@ -65,8 +65,8 @@ def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, ma
         cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
         cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
         cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
-        offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-        offload_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
+        num_offloaded_prefill_tokens=0,
+        prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
     input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)

@@ -251,8 +251,8 @@ class Profiler:
             cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
             cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
             cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
-            offload_token_indices=torch.empty(0, dtype=torch.int64, device=device),
-            offload_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
+            num_offloaded_prefill_tokens=0,
+            prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
 
     @torch.inference_mode()
     def _linear(self, num_tokens: int) -> None:

@@ -88,19 +88,14 @@ class PagedKVHarness:
         device / host pool.
         """
         token_ids, positions, device_slots = [], [], []
-        cu_seqlens, offload_indices, offload_slots = [0], [], []
+        cu_seqlens, host_slots = [0], []
         for sequence_id, pool, prompt in prefills:
             self.sequences[sequence_id] = _Sequence(pool)
             slots = self._new_slots(sequence_id, len(prompt))
-            start = len(token_ids)
             token_ids += prompt
             positions += range(len(prompt))
-            if pool == "device":
-                device_slots += slots
-            else:
-                device_slots += [-1] * len(prompt)
-                offload_indices += range(start, start + len(prompt))
-                offload_slots += slots
+            device_slots += slots if pool == "device" else [-1] * len(prompt)
+            host_slots += [-1] * len(prompt) if pool == "device" else slots
             cu_seqlens.append(len(token_ids))
         cpu_slots = []
         for decodes, pool in ((gpu_decodes, "device"), (cpu_decodes, "host")):
@@ -133,8 +128,8 @@ class PagedKVHarness:
             cpu_seq_lens_host=torch.tensor([self.sequences[i].length for i in cpu_ids],
                                            dtype=torch.int32),
             cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=torch.int64),
-            offload_token_indices=on_device(offload_indices, torch.int64),
-            offload_slot_mapping=on_device(offload_slots, torch.int64),
+            num_offloaded_prefill_tokens=sum(slot >= 0 for slot in host_slots),
+            prefill_host_slot_mapping=on_device(host_slots, torch.int64),
         )
         return on_device(token_ids, torch.int64), meta
 
@@ -161,9 +156,9 @@ class PagedKVHarness:
         for layer, (k_cache, v_cache), (k_host, v_host) in zip(model.layers, self.kv_caches(),
                                                               host_caches):
             q, k, v, residual = layer.pre_attention(hidden, residual, meta, k_cache, v_cache)
-            offload = meta.offload_token_indices
-            torch.ops.neo.store_kv_cache(k[offload].cpu(), v[offload].cpu(), k_host, v_host,
-                                         meta.offload_slot_mapping.cpu())
+            prefill = slice(0, meta.num_prefill_tokens)
+            torch.ops.neo.store_kv_cache(k[prefill].cpu(), v[prefill].cpu(), k_host, v_host,
+                                         meta.prefill_host_slot_mapping.cpu())
             torch.ops.neo.store_kv_cache(k[gpu_end:].cpu(), v[gpu_end:].cpu(), k_host, v_host,
                                          meta.cpu_slot_mapping_host)
             attn_out = layer.attention(q, k, v, meta, k_cache, v_cache)
