@@ -97,6 +97,10 @@ def trace_statistics(trace: list[dict]) -> dict:
     # waited for the batch.
     batch_host_busy = sum(r["cpu_busy_seconds"] for r in host_batches)
     batch_waits = sum(r["host_batch_wait_seconds"] for r in host_batches)
+    # Prefill iterations, split into the step's phases: what the launching thread spent
+    # beyond the GPU's busy time shows where it waited.
+    prefills = [r for r in records if r["prefill_tokens"] and r["gpu_busy_seconds"] is not None]
+    freed = [r["device_segments_freed"] for r in records if r.get("device_segments_freed") is not None]
     return {
         "iterations": len(records),
         "two_batch_iterations": len(two),
@@ -119,6 +123,12 @@ def trace_statistics(trace: list[dict]) -> dict:
         "eager_decode_iterations": len(eager),
         "median_eager_decode_s": median_of(eager, "measured_seconds"),
         "median_graph_decode_relative_error": statistics.median(graph_errors) if graph_errors else None,
+        "prefill_iterations": len(prefills),
+        "median_prefill_s": median_of(prefills, "measured_seconds"),
+        "median_prefill_gpu_busy_s": median_of(prefills, "gpu_busy_seconds"),
+        "median_prefill_launch_s": median_of(prefills, "launch_seconds"),
+        "median_prefill_queue_s": median_of(prefills, "queue_seconds"),
+        "device_segments_freed": sum(freed) if freed else None,
     }
 
 

@@ -213,12 +213,14 @@ class LLMEngine:
         and ends by collecting the host batch in flight if it has completed (waiting for it a
         little when the plan had no GPU work); its requests' tokens are among the outputs.
         """
+        segments_freed = self._device_segments_freed()
         scheduling_start = time.perf_counter()
         plan = self.scheduler.schedule()
         start = time.perf_counter()
         self.metrics.schedule_seconds += start - scheduling_start
         if plan.host_batch is not None:
             self._launch_host_batch(plan)
+        launch_seconds = time.perf_counter() - start
         outputs = []
         if plan.is_empty:
             if on_launched is not None:
@@ -234,7 +236,7 @@ class LLMEngine:
             host_seconds = self._host_seconds()
             self.scheduler.observe(plan, host_seconds, elapsed)
             if self.trace is not None:
-                self._record(plan, elapsed, host_seconds, start - scheduling_start)
+                self._record(plan, elapsed, host_seconds, start - scheduling_start, launch_seconds, segments_freed)
             outputs = self._postprocess(plan, tokens)
         if self.runner.host_batch_in_flight:
             outputs += self._collect_host_batch(HOST_BATCH_WAIT_SECONDS if plan.is_empty else 0.0)
@@ -290,7 +292,15 @@ class LLMEngine:
         self.scheduler.remove_finished()
         return outputs
 
-    def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float, schedule_seconds: float) -> None:
+    def _device_segments_freed(self) -> int | None:
+        """Segments the device's caching allocator has returned so far (traced CUDA engines only)."""
+        if self.trace is None or self.device.type != "cuda":
+            return None
+        return torch.cuda.memory_stats(self.device).get("segment.all.freed", 0)
+
+    def _record(self, plan: SchedulerOutput, elapsed: float, host_busy: float, schedule_seconds: float,
+                launch_seconds: float, segments_freed_before: int | None) -> None:
+        segments_freed = self._device_segments_freed()
         batches = [batch for batch in plan.sub_batches if batch]
         self.trace.add(IterationRecord(
             iteration=self.metrics.iterations, num_sub_batches=len(batches),
@@ -299,10 +309,11 @@ class LLMEngine:
             cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
             predicted_seconds=plan.predicted_time, predicted_cpu_seconds=plan.predicted_host_time,
             profiled_cpu_seconds=plan.profiled_host_time,
-            measured_seconds=elapsed,
+            measured_seconds=elapsed, launch_seconds=launch_seconds, queue_seconds=self.runner.queue_seconds,
             cpu_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds(), schedule_seconds=schedule_seconds,
-            graph_replayed=self.runner.replayed_graph))
+            graph_replayed=self.runner.replayed_graph,
+            device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before)))
 
     def _record_host_batch(self, result: HostBatchResult) -> None:
         plan = self._host_batch_plan
@@ -311,6 +322,7 @@ class LLMEngine:
             cpu_decodes=len(result.requests), predicted_seconds=plan.host_batch_predicted_time,
             predicted_cpu_seconds=plan.host_batch_predicted_host_time,
             profiled_cpu_seconds=plan.host_batch_profiled_host_time, measured_seconds=result.seconds,
+            launch_seconds=0.0, queue_seconds=0.0,
             cpu_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
             graph_replayed=result.replayed_graph, host_batch=True,
             host_batch_wait_seconds=self._host_batch_wait_seconds))

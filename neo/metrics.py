@@ -40,11 +40,17 @@ class IterationRecord:
     predicted_seconds: float | None
     predicted_cpu_seconds: float | None  # calibrated estimate of the host attention
     profiled_cpu_seconds: float | None  # the profile's estimate before calibration
-    measured_seconds: float  # executing the plan, until its tokens were on the host
+    measured_seconds: float  # launching the step's host batch (if any) and executing the plan,
+    # until its tokens were on the host; of that:
+    launch_seconds: float  # launching the step's host batch (async host pipeline)
+    queue_seconds: float  # building the plan's inputs and queuing its device work
     cpu_busy_seconds: float
     gpu_busy_seconds: float | None
     schedule_seconds: float  # the scheduler's own time for this plan
     graph_replayed: bool  # replayed from a captured CUDA graph (decode-only, host decodes or not)
+    # Segments the device's caching allocator returned (cudaFree waits for the whole device,
+    # host batches in flight included) during the step; None off CUDA.
+    device_segments_freed: int | None = None
     # A host batch of the async host pipeline (measured from its launch until its tokens were
     # on the host, beside the iterations recorded meanwhile), and how long steps with no GPU
     # work waited for it.

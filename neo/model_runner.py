@@ -36,6 +36,7 @@ class ModelRunner:
         self.pipeline_graphs = pipeline_graphs
         self.host_batches = host_batches
         self.replayed_graph = False  # whether the last plan was replayed from a captured graph
+        self.queue_seconds = 0.0  # the last plan's: building its inputs and queuing its device work
         self._replayed_decode_graph = False  # ... from DecodeGraphs (no executor involved)
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
@@ -46,12 +47,14 @@ class ModelRunner:
         ``on_launched`` is called once the device work (sampling included) is queued, before
         waiting for the tokens."""
         self.replayed_graph = False
+        began = time.perf_counter()
         batches = [build_batch_inputs(batch, self.block_size, self.device)
                    for batch in plan.sub_batches if batch]
         requests = [request for inputs in batches for request in inputs.requests]
         if not requests:
             if plan.swap_out or plan.swap_in:
                 self.swap(plan)
+            self.queue_seconds = time.perf_counter() - began
             if on_launched is not None:
                 on_launched()
             return []
@@ -70,6 +73,7 @@ class ModelRunner:
         if logits is None:
             logits = self.executor.run(batches, _block_pairs(plan.swap_out), _block_pairs(plan.swap_in))
         sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+        self.queue_seconds = time.perf_counter() - began
         if on_launched is not None:
             on_launched()
         tokens = sampled.tolist()  # waits for the device

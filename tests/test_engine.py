@@ -240,6 +240,8 @@ def test_trace_records_every_iteration_and_host_batch(tmp_path, host_pipeline):
     assert sum(r["prefill_tokens"] for r in records) == metrics["prefill_tokens"]
     for record in records:
         assert record["measured_seconds"] > 0 and record["cpu_busy_seconds"] >= 0
+        assert 0 <= record["launch_seconds"] + record["queue_seconds"] <= record["measured_seconds"]
+        assert record["device_segments_freed"] is None  # counted on CUDA only
         assert record["predicted_seconds"] == 0.0 and record["predicted_cpu_seconds"] == 0.0  # zero model
         assert record["cpu_busy_seconds"] > 0 or not record["cpu_decodes"]
 
