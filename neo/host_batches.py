@@ -22,13 +22,8 @@ its cuBLAS workspace, and concurrent GEMMs on a shared workspace deadlocked the 
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
 (``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph
-when one fits, so launching it costs the launching thread about one graph replay. Its logits
-and sampling are queued on a stream of their own behind the replay, and the sampled tokens stay
-on the device behind an event that ``collect`` polls: the batch queues no memcpy between host
-and device that stays pending while its host functions run (its row copies are kernels, see
-``ops_cuda/mapped_copy.cu``), because the driver makes every kernel-attribute change, which
-cuBLASLt does on each GEMM launch, wait for such copies, and the GPU's own iterations would
-then wait for the whole batch. Where host work
+when one fits, so launching it costs the launching thread about one graph replay. The sampled
+tokens are copied to pinned memory behind an event that ``collect`` polls. Where host work
 cannot be ordered on streams (no CUDA, or no ISPC kernels), a batch runs to completion when it
 is launched.
 """
@@ -65,7 +60,7 @@ class HostBatchResult:
 @dataclass
 class _InFlight:
     requests: list[Request]
-    tokens: torch.Tensor  # int64 [n] on the compute device, final once ``done`` has passed
+    tokens: torch.Tensor  # int64 [n], on the host once ``done`` has passed
     done: torch.cuda.Event | None  # None: completed at launch
     started: torch.cuda.Event | None  # timing events on the host stream
     ended: torch.cuda.Event | None
@@ -88,13 +83,14 @@ class HostBatchRunner:
                                          max_blocks_per_sequence=max_blocks_per_sequence)
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        # A replayed batch's logits, sampling and token copy go here, behind the replay: queued
-        # on the replay's stream they would wait for most of the batch (``PipelineGraphs.run``).
-        self.tail_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.graphs = None
         if self.asynchronous and graph_context is not None:
             self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device)
         self.sampler = Sampler()
+        # The sampled tokens of the batch in flight land here (allocated once: allocating
+        # page-locked memory waits for the whole device, the batch just queued included).
+        self.token_buffer = (torch.empty(max_decodes, dtype=torch.int64, pin_memory=True)
+                             if self.stream is not None else None)
         self._in_flight: _InFlight | None = None
 
     @property
@@ -115,22 +111,20 @@ class HostBatchRunner:
             logits = None
             shape = self.graphs.shape([inputs]) if self.graphs is not None else None
             if shape is not None:
-                logits = self.graphs.run([inputs], shape, logits_stream=self.tail_stream)
+                logits = self.graphs.run([inputs], shape)
             replayed = logits is not None
             if logits is None:
                 logits = self.executor.run([inputs], NO_SWAPS, NO_SWAPS)
-        tail = self.tail_stream if replayed else self.stream
-        with torch.cuda.stream(tail) if tail is not None else nullcontext(), torch.inference_mode():
             sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
-            # The tokens stay on the device until the batch is done: a device-to-host memcpy
-            # queued behind the batch would make every kernel-attribute change (each cuBLASLt
-            # GEMM launch of the GPU's own iterations) wait for the whole batch.
-            tokens = sampled
             done = ended = None
             if self.stream is not None:
+                tokens = self.token_buffer[:len(requests)]
+                tokens.copy_(sampled, non_blocking=True)
                 ended = self._timing_event()
                 done = torch.cuda.Event()
                 done.record()
+            else:
+                tokens = sampled
         host_seconds = None
         if not self.asynchronous:  # it ran to completion here
             if done is not None:
@@ -160,9 +154,8 @@ class HostBatchRunner:
         else:
             seconds = time.perf_counter() - flight.launched_at
         host_seconds = flight.host_seconds if flight.host_seconds is not None else self.executor.host_busy_seconds()
-        with torch.cuda.stream(self.tail_stream) if self.tail_stream is not None else nullcontext():
-            tokens = flight.tokens.tolist()  # done has passed: the copy waits for nothing else
-        return HostBatchResult(flight.requests, tokens, seconds, host_seconds or 0.0, flight.replayed_graph)
+        return HostBatchResult(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
+                               flight.replayed_graph)
 
     def _timing_event(self) -> torch.cuda.Event | None:
         if self.stream is None:

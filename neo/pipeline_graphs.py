@@ -26,7 +26,6 @@ the graphs off with a warning; iterations then run eagerly.
 
 import logging
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -153,15 +152,9 @@ class PipelineGraphs:
         return graph_shape([inputs.metadata for inputs in batches], self.sizes, self.max_blocks)
 
     @torch.inference_mode()
-    def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...],
-            logits_stream: torch.cuda.Stream | None = None) -> torch.Tensor | None:
+    def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
         """Replay ``shape`` (from ``shape``) for the plan; returns float32 logits ``[requests,
-        vocab]`` in batch order, or None when the capture failed (run the plan eagerly).
-
-        ``logits_stream``: compute the logits there, behind the replay, instead of on the
-        current stream; the caller goes on on that stream. A launch queued behind a replay on
-        the replay's own stream can wait until the graph has largely run, host functions
-        included (seconds for a host batch); queued on another stream it returns at once."""
+        vocab]`` in batch order, or None when the capture failed (run the plan eagerly)."""
         capture = self.captures.get(shape)
         if capture is None:
             capture = self._capture(shape)
@@ -173,14 +166,9 @@ class PipelineGraphs:
             static.load(inputs, gpu_rows, cpu_rows)
         capture.graph.replay()
         self.executor.end(capture.wait_events)
-        if logits_stream is not None:
-            replayed = torch.cuda.Event()
-            replayed.record()
-            logits_stream.wait_event(replayed)
-        with torch.cuda.stream(logits_stream) if logits_stream is not None else nullcontext():
-            rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
-                    for row in static.real_rows(hidden, inputs, gpu_rows)]
-            return self.model.compute_logits(torch.cat(rows))
+        rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
+                for row in static.real_rows(hidden, inputs, gpu_rows)]
+        return self.model.compute_logits(torch.cat(rows))
 
     def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
         while len(self.captures) >= self.capacity:

@@ -7,15 +7,14 @@
 //   stage.start(layer, query_rows, key_rows, value_rows, output_rows, k_cache, v_cache)
 //
 // queues on the copy stream, behind an event recorded on the current (compute) stream:
-// the copies of the sub-batch's host-decode rows into the pinned buffers (kernels through the
-// buffers' mapped device addresses, not memcpys: see mapped_copy.cu), a CUDA host function
+// the copies of the sub-batch's host-decode rows into the pinned buffers, a CUDA host function
 // that stores the new K/V into the host cache and runs paged decode attention there with the
 // CPU kernels of torch.ops.neo (ISPC), the copy of the result into output_rows, and an event
 // that stage.finish() makes the compute stream wait for. No Python and no GIL run between the
 // layers, and the launching thread never blocks on the host.
 //
 // The host function reads how many rows are real from the `num_decodes` buffer at run time, so the
-// same calls captured in a CUDA graph (the copies become kernel nodes, the host function a host
+// same calls captured in a CUDA graph (the copies become memcpy nodes, the host function a host
 // node) replay iterations whose row counts are at most the captured ones: padding rows are
 // copied but not attended. Each layer's host function gets a record that lives as long as the
 // stage, which is what a captured host node points to.
@@ -40,8 +39,6 @@
 #include <cuda_runtime_api.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
-
-#include "launchers.h"
 
 namespace {
 
@@ -120,10 +117,6 @@ class HostDecodeStage : public torch::CustomClassHolder {
     calls_.resize(static_cast<size_t>(num_layers));
     for (auto& call : calls_) call.stage = this;
     c10::cuda::CUDAGuard guard(copy_stream_.device_index());
-    query_device_ = device_address(query_, "query");
-    key_device_ = device_address(key_, "key");
-    value_device_ = device_address(value_, "value");
-    output_device_ = device_address(output_, "output");
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   }
@@ -156,19 +149,21 @@ class HostDecodeStage : public torch::CustomClassHolder {
                           output_rows.size(0) == rows,
                       kName, ": query, key, value and output rows differ in number");
     const auto device = query_rows.device().index();
-    c10::cuda::CUDAGuard guard(device);
     const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(device).stream();
     const cudaStream_t copy = copy_stream_.stream();
     C10_CUDA_CHECK(cudaEventRecord(ready_, compute));
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ready_, 0));
-    copy_rows(query_device_, query_rows.data_ptr(), bytes(query_rows), copy);
-    copy_rows(key_device_, key_rows.data_ptr(), bytes(key_rows), copy);
-    copy_rows(value_device_, value_rows.data_ptr(), bytes(value_rows), copy);
+    copy_to_host(query_, query_rows, copy);
+    copy_to_host(key_, key_rows, copy);
+    copy_to_host(value_, value_rows, copy);
     LayerCall& call = calls_[static_cast<size_t>(layer)];
     call.k_cache = std::move(k_cache);
     call.v_cache = std::move(v_cache);
     C10_CUDA_CHECK(cudaLaunchHostFunc(copy, &HostDecodeStage::run_layer, &call));
-    copy_rows(output_rows.data_ptr(), output_device_, bytes(output_rows), copy);
+    if (rows > 0) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(output_rows.data_ptr(), output_.data_ptr(), bytes(output_rows),
+                                     cudaMemcpyHostToDevice, copy));
+    }
     C10_CUDA_CHECK(cudaEventRecord(done_, copy));
     // The compute stream may free these rows as soon as it has queued its next stage: the
     // allocator must not hand their memory out again before the copy stream has read them.
@@ -198,22 +193,10 @@ class HostDecodeStage : public torch::CustomClassHolder {
                       ", got ", rows.scalar_type(), " ", rows.sizes(), " on ", rows.device());
   }
 
-  static void copy_rows(void* destination, const void* source, int64_t count, cudaStream_t stream) {
-    if (count == 0) return;
-    neo_cuda::launch_mapped_copy(destination, source, count, stream);
-    C10_CUDA_CHECK(cudaGetLastError());
-  }
-
-  // The device's address of a pinned buffer (page-locked memory is mapped for the device).
-  static void* device_address(const at::Tensor& buffer, const char* name) {
-    void* address = nullptr;
-    const cudaError_t status = cudaHostGetDevicePointer(&address, buffer.data_ptr(), 0);
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      TORCH_CHECK_VALUE(false, kName, ": the ", name, " buffer is not page-locked host memory mapped "
-                        "for the device (", cudaGetErrorString(status), ")");
-    }
-    return address;
+  static void copy_to_host(const at::Tensor& buffer, const at::Tensor& rows, cudaStream_t stream) {
+    if (rows.numel() == 0) return;
+    C10_CUDA_CHECK(cudaMemcpyAsync(buffer.data_ptr(), rows.data_ptr(), bytes(rows),
+                                   cudaMemcpyDeviceToHost, stream));
   }
 
   static void CUDART_CB run_layer(void* data) {
@@ -258,10 +241,6 @@ class HostDecodeStage : public torch::CustomClassHolder {
   }
 
   at::Tensor query_, key_, value_, output_;
-  void* query_device_ = nullptr;  // the row buffers' device addresses
-  void* key_device_ = nullptr;
-  void* value_device_ = nullptr;
-  void* output_device_ = nullptr;
   at::Tensor slot_mapping_, block_table_, seq_lens_, num_decodes_;
   at::Tensor failure_, host_seconds_;
   double scale_;

@@ -128,11 +128,4 @@ cudaError_t swap_blocks(const void* src, void* dst, int64_t block_bytes, const i
 // Whether `pointer` lies in page-locked host memory (cudaHostAlloc / cudaHostRegister).
 bool is_pinned_host_memory(const void* pointer);
 
-// ---- copies through mapped host memory -----------------------------------------------------
-
-// Copies `bytes` from `source` to `destination` with a kernel; either side may be page-locked
-// host memory given by its device pointer (cudaHostGetDevicePointer). Unlike a memcpy it does
-// not make cuFuncSetAttribute calls (every cuBLASLt GEMM launch) wait while it is queued.
-void launch_mapped_copy(void* destination, const void* source, int64_t bytes, cudaStream_t stream);
-
 }  // namespace neo_cuda
