@@ -38,7 +38,8 @@ def measure(engine: LLMEngine, batch_size: int, context: int, iterations: int) -
         clock = [time.perf_counter()]
         plan = engine.scheduler.schedule()
         clock.append(time.perf_counter())
-        batches = [build_batch_inputs(batch, runner.block_size, runner.device) for batch in plan.sub_batches]
+        batches = [build_batch_inputs(batch, runner.block_size, runner.device, runner.executor.pad_rows)
+                   for batch in plan.sub_batches]
         clock.append(time.perf_counter())
         logits = runner.executor.run(batches, torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2, dtype=torch.int64))
         _synchronize(runner.device)

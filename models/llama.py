@@ -177,16 +177,16 @@ class CausalLM(torch.nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """All layers in sequential stage order for a sub-batch without CPU decodes.
 
-        input_ids int64 ``[T]``; kv_caches one ``(k_cache, v_cache)`` per layer. Returns the
-        final-normed hidden states ``[T, hidden]``.
+        input_ids int64 ``[T]`` (``meta.num_rows``: padding rows included); kv_caches one
+        ``(k_cache, v_cache)`` per layer. Returns the final-normed hidden states ``[T, hidden]``.
         """
         if meta.num_cpu_decodes:
             raise ValueError(f"CausalLM.forward runs compute-device attention only, but the batch "
                              f"has {meta.num_cpu_decodes} CPU decodes; the pipeline executor "
                              f"runs those stage by stage")
-        if input_ids.shape != (meta.num_tokens,):
+        if input_ids.shape != (meta.num_rows,):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the metadata "
-                             f"describes {meta.num_tokens} tokens")
+                             f"describes {meta.num_rows} rows")
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden, residual = self.embed(input_ids), None

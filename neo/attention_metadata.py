@@ -1,9 +1,12 @@
 """``AttentionMetadata``: what the layer stages of one sub-batch need to know about its tokens.
 
-Token order inside a sub-batch (``T`` tokens in all)::
+Token order inside a sub-batch (``T`` rows in all)::
 
-    [ prefill tokens (prompts packed back to back) | GPU decodes | CPU decodes ]
-      num_prefill_tokens                             num_gpu_decodes num_cpu_decodes
+    [ prefill tokens (prompts packed back to back) | GPU decodes | CPU decodes | padding ]
+      num_prefill_tokens                             num_gpu_decodes num_cpu_decodes num_padding_tokens
+
+Padding rows (see ``neo.gemm_rows``) only fill the GEMMs' rows up to a bucket: their slot is -1,
+no stage attends for them, and their outputs are never read.
 
 "GPU" means the compute device and its KV cache (the CPU itself on a machine without CUDA);
 "CPU" means the host KV cache, whose decode attention the pipeline runs on the host CPU.
@@ -37,6 +40,7 @@ class AttentionMetadata:
     # int64 [num_prefill_tokens] (compute device): host-cache slot of each prefill token bound
     # for the host pool, -1 for the others; empty when none is.
     prefill_host_slot_mapping: torch.Tensor
+    num_padding_tokens: int = 0  # rows after the CPU decodes (see the module docstring)
 
     @classmethod
     def for_captured_decodes(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -59,7 +63,13 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
+        """Real tokens (padding excluded)."""
         return self.num_prefill_tokens + self.num_gpu_decodes + self.num_cpu_decodes
+
+    @property
+    def num_rows(self) -> int:
+        """``T``: the rows of the sub-batch's token-major tensors, padding included."""
+        return self.num_tokens + self.num_padding_tokens
 
     @property
     def num_gpu_tokens(self) -> int:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention_metadata import AttentionMetadata
+from .gemm_rows import padded_rows
 from .request import KVLocation, Request
 from .scheduler_output import SubBatch
 
@@ -14,7 +15,7 @@ class BatchInputs:
     """Everything one sub-batch's forward needs, on the compute device unless ``host``."""
 
     requests: list[Request]  # in logit-row order: prefills, GPU decodes, CPU decodes
-    input_ids: torch.Tensor  # int64 [T]
+    input_ids: torch.Tensor  # int64 [T] (``metadata.num_rows``: padding rows included)
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [len(requests)]: token row of each request's last token
 
@@ -37,8 +38,10 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return host.to(device, non_blocking=True)
 
 
-def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -> BatchInputs:
-    """Lay out the sub-batch's tokens (prefills packed, then GPU decodes, then CPU decodes)."""
+def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
+                       pad_rows: bool = False) -> BatchInputs:
+    """Lay out the sub-batch's tokens (prefills packed, then GPU decodes, then CPU decodes);
+    ``pad_rows``: then padding rows up to ``padded_rows`` (token 0 at position 0, slot -1)."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -72,6 +75,10 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
 
     add_decodes(batch.gpu_decodes, on_device=True)
     cpu_slots = add_decodes(batch.cpu_decodes, on_device=False)
+    num_padding = padded_rows(len(token_ids)) - len(token_ids) if pad_rows else 0
+    token_ids += [0] * num_padding
+    positions += [0] * num_padding
+    slots += [-1] * num_padding
 
     int32, int64 = torch.int32, torch.int64
     num_offloaded = sum(request.num_tokens for request in batch.prefills if request.location is not KVLocation.GPU)
@@ -90,6 +97,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device) -
         cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=int64),
         num_offloaded_prefill_tokens=num_offloaded,
         prefill_host_slot_mapping=_to_device(host_slots if num_offloaded else [], int64, device),
+        num_padding_tokens=num_padding,
     )
     return BatchInputs(
         requests=batch.prefills + batch.gpu_decodes + batch.cpu_decodes,

@@ -32,6 +32,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
                        help="async: host decodes as their own batch beside the GPU's iterations; "
                             "lockstep: host decodes in each iteration's two sub-batches")
+    group.add_argument("--pad-gemm-rows", action=argparse.BooleanOptionalAction, default=None,
+                       help="pad GEMM rows to fixed buckets warmed up at start-up (default: on CUDA)")
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")

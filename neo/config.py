@@ -33,6 +33,9 @@ class EngineConfig:
         "async" (host decodes run as their own batch on a stream of their own, which spans as
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
         sub-batches, the host decodes among them, go through the layers together).
+    pad_gemm_rows: pad each iteration's GEMM rows to a fixed set of buckets, each run once at
+        start-up (``neo.gemm_rows``: cuBLAS makes a GEMM shape it meets for the first time wait
+        for every pending CUDA host function); None: on CUDA.
     """
 
     model: str = "neo-tiny"
@@ -51,6 +54,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     cuda_graph_max_context: int = 8192
     host_pipeline: str = "async"
+    pad_gemm_rows: bool | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0

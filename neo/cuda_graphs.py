@@ -3,7 +3,8 @@
 A decode-only iteration launches a few hundred small kernels whose launch time on the host can
 exceed their run time on the GPU. The forward (all layers and the final norm) is captured once
 per padded batch size and replayed with the batch's inputs copied into static buffers; the
-logits of the real rows are computed after the replay (one GEMM), so the graphs keep only small
+logits of the real rows are computed after the replay (one GEMM, its rows padded to a
+``neo.gemm_rows`` bucket), so the graphs keep only small
 hidden-state outputs alive (a captured ``[batch, vocab]`` float32 output per size would hold
 several GiB at a few hundred sequences). Padding
 rows decode a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits
@@ -24,6 +25,7 @@ import torch
 
 from .attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
+from .gemm_rows import padded_logits
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +101,9 @@ class DecodeGraphs:
         meta = inputs.metadata
         count = meta.num_gpu_decodes
         size = next(size for size in self.sizes if size >= count)
-        self.input_ids[:count].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:count].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:count].copy_(meta.slot_mapping, non_blocking=True)
+        self.input_ids[:count].copy_(inputs.input_ids[:count], non_blocking=True)
+        self.positions[:count].copy_(meta.positions[:count], non_blocking=True)
+        self.slot_mapping[:count].copy_(meta.slot_mapping[:count], non_blocking=True)
         self.slot_mapping[count:size].fill_(-1)
         self.seq_lens[:count].copy_(meta.gpu_seq_lens, non_blocking=True)
         self.seq_lens[count:size].fill_(1)
@@ -109,4 +111,4 @@ class DecodeGraphs:
         self.block_table[:count, :width].copy_(meta.gpu_block_table, non_blocking=True)
         self.block_table[count:size].zero_()
         self.graphs[size].replay()
-        return self.model.compute_logits(self.hidden[size][:count])
+        return padded_logits(self.model, self.hidden[size][:count])

@@ -13,6 +13,7 @@ from .config import EngineConfig
 from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
 from .cuda_graphs import DecodeGraphs
 from .executor import PipelineExecutor
+from .gemm_rows import warm_up as warm_up_gemm_rows
 from .host_batches import HostBatchResult, HostBatchRunner
 from .kv_cache import GIB, CacheLayout, KVCache
 from .memory import gpu_kv_cache_bytes
@@ -72,10 +73,11 @@ class LLMEngine:
         if config.policy != "gpu-only":
             self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
         max_blocks_per_sequence = -(-self.max_model_len // config.block_size)
+        pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else self.device.type == "cuda"
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
                                     max_cpu_decodes=config.max_num_seqs,
                                     max_blocks_per_sequence=max_blocks_per_sequence,
-                                    measure_gpu_busy=config.trace_path is not None)
+                                    measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
         asynchronous = config.host_pipeline == "async" and self.worker is not None
         graph_context = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
@@ -88,7 +90,9 @@ class LLMEngine:
                                                  config.block_size, self.device)
         if asynchronous:
             host_batches = HostBatchRunner(self.model, self.kv_cache, self.worker, self.device, config.max_num_seqs,
-                                           max_blocks_per_sequence, graph_context)
+                                           max_blocks_per_sequence, graph_context, pad_rows)
+        if pad_rows and self.device.type == "cuda":
+            warm_up_gemm_rows(self.model, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, executor, self.device, decode_graphs, pipeline_graphs,
                                   host_batches)
         if config.policy == "gpu-only":

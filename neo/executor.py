@@ -56,6 +56,7 @@ from neo.ops import dispatched
 from .attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
 from .cpu_worker import CpuAttentionWorker
+from .gemm_rows import padded_logits
 from .kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,10 @@ class PipelineExecutor:
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device,
                  worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_blocks_per_sequence: int,
-                 measure_gpu_busy: bool = False):
+                 measure_gpu_busy: bool = False, pad_rows: bool = False):
+        """``pad_rows``: run the logits GEMM over ``neo.gemm_rows`` buckets of rows."""
         self.model = model
+        self.pad_rows = pad_rows
         self.kv_cache = kv_cache
         self.device = device
         self.worker = worker
@@ -197,9 +200,14 @@ class PipelineExecutor:
         hidden_rows = [self.model.final_norm(state.hidden[inputs.logits_indices],
                                              state.residual[inputs.logits_indices])
                        for state, inputs in zip(states, batches)]
-        logits = self.model.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
+        logits = self.compute_logits(torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0])
         self.end()
         return logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` of final-normed ``hidden [N, hidden]`` (row-padded
+        when ``pad_rows``)."""
+        return padded_logits(self.model, hidden) if self.pad_rows else self.model.compute_logits(hidden)
 
     def forward_all_rows(self, input_ids: list[torch.Tensor], metadata: list[AttentionMetadata]) -> list[torch.Tensor]:
         """Every layer for sub-batches without prefills and swaps, and the final norm of every

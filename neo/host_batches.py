@@ -73,14 +73,15 @@ class HostBatchRunner:
     """Launches one host batch at a time and hands back its tokens once it has completed."""
 
     def __init__(self, model, kv_cache: KVCache, worker: CpuAttentionWorker, device: torch.device,
-                 max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None):
+                 max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
+                 pad_rows: bool = False):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
-        many tokens (None: never)."""
+        many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.gemm_rows`` buckets."""
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.worker = worker
         self.executor = PipelineExecutor(model, kv_cache, device, worker, max_cpu_decodes=max_decodes,
-                                         max_blocks_per_sequence=max_blocks_per_sequence)
+                                         max_blocks_per_sequence=max_blocks_per_sequence, pad_rows=pad_rows)
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.graphs = None
@@ -107,7 +108,7 @@ class HostBatchRunner:
         launched_at = time.perf_counter()
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
             started = self._timing_event()
-            inputs = build_batch_inputs(batch, self.block_size, self.device)
+            inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
             logits = None
             shape = self.graphs.shape([inputs]) if self.graphs is not None else None
             if shape is not None:

@@ -48,7 +48,7 @@ class ModelRunner:
         waiting for the tokens."""
         self.replayed_graph = False
         began = time.perf_counter()
-        batches = [build_batch_inputs(batch, self.block_size, self.device)
+        batches = [build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
                    for batch in plan.sub_batches if batch]
         requests = [request for inputs in batches for request in inputs.requests]
         if not requests:

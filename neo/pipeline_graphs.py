@@ -103,9 +103,9 @@ class StaticInputs:
         gpu, cpu = meta.num_gpu_decodes, meta.num_cpu_decodes
         host_rows = slice(gpu_rows, gpu_rows + cpu)
         self.input_ids[:gpu].copy_(inputs.input_ids[:gpu], non_blocking=True)
-        self.input_ids[host_rows].copy_(inputs.input_ids[gpu:], non_blocking=True)
+        self.input_ids[host_rows].copy_(inputs.input_ids[gpu:gpu + cpu], non_blocking=True)
         self.positions[:gpu].copy_(meta.positions[:gpu], non_blocking=True)
-        self.positions[host_rows].copy_(meta.positions[gpu:], non_blocking=True)
+        self.positions[host_rows].copy_(meta.positions[gpu:gpu + cpu], non_blocking=True)
         # Another shape may have left GPU slots in rows that are padding or host rows here.
         self.slot_mapping[:gpu].copy_(meta.slot_mapping[:gpu], non_blocking=True)
         self.slot_mapping[gpu:gpu_rows + cpu_rows].fill_(-1)
@@ -168,7 +168,7 @@ class PipelineGraphs:
         self.executor.end(capture.wait_events)
         rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
                 for row in static.real_rows(hidden, inputs, gpu_rows)]
-        return self.model.compute_logits(torch.cat(rows))
+        return self.executor.compute_logits(torch.cat(rows))
 
     def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
         while len(self.captures) >= self.capacity:

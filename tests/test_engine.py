@@ -2,8 +2,9 @@
 
 neo-tiny is saved as a Hugging Face directory and loaded into transformers; greedy tokens of
 the engine must equal a plain greedy loop over transformers' full-sequence logits, for every
-policy, for requests arriving together or one by one, and with GPU pools so small that
-requests are preempted (gpu-only) or decode on the host (neo, full-offload).
+policy, for requests arriving together or one by one, with GEMM rows exact or padded to
+buckets, and with GPU pools so small that requests are preempted (gpu-only) or decode on the
+host (neo, full-offload).
 """
 
 import json
@@ -35,11 +36,13 @@ POLICY_SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("pad_gemm_rows", [False, True], ids=["exact-rows", "padded-rows"])
 @pytest.mark.parametrize("setting", list(POLICY_SETTINGS))
-def test_greedy_equals_transformers(setting, expected):
+def test_greedy_equals_transformers(setting, pad_gemm_rows, expected):
     policy, gpu_blocks, host_pipeline = POLICY_SETTINGS[setting]
     llm = LLM("neo-tiny", policy=policy, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
-              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline=host_pipeline)
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline=host_pipeline,
+              pad_gemm_rows=pad_gemm_rows)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         metrics = llm.get_metrics()

@@ -25,14 +25,14 @@ def decoding(name: str, length: int, location: KVLocation, first_block: int) -> 
     return request
 
 
-def inputs_of(gpu_lengths, cpu_lengths, prefill_lengths=()):
+def inputs_of(gpu_lengths, cpu_lengths, prefill_lengths=(), pad_rows=False):
     batch = SubBatch(
         prefills=[decoding(f"p{i}", n, KVLocation.GPU, 40 + 8 * i) for i, n in enumerate(prefill_lengths)],
         gpu_decodes=[decoding(f"g{i}", n, KVLocation.GPU, 8 * i) for i, n in enumerate(gpu_lengths)],
         cpu_decodes=[decoding(f"c{i}", n, KVLocation.CPU, 8 * i) for i, n in enumerate(cpu_lengths)])
     for request in batch.prefills:
         request.num_cached_tokens = 0
-    return build_batch_inputs(batch, BLOCK_SIZE, torch.device("cpu"))
+    return build_batch_inputs(batch, BLOCK_SIZE, torch.device("cpu"), pad_rows)
 
 
 def test_padded_counts_are_powers_of_two_and_the_largest():
@@ -59,15 +59,17 @@ def test_other_plans_run_eagerly(case):
     assert graph_shape(metadata, SIZES, MAX_BLOCKS) is None
 
 
-def test_static_inputs_lay_out_gpu_then_host_rows_with_padding():
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_static_inputs_lay_out_gpu_then_host_rows_with_padding(pad_rows):
     static = StaticInputs(rows=16, gpu_rows=8, max_blocks=MAX_BLOCKS, device=torch.device("cpu"))
     wide = inputs_of([5, 9, 3, 4, 6], [7, 2, 8])  # fills more rows first: stale values to overwrite
     static.load(wide, gpu_rows=8, cpu_rows=4)
-    inputs = inputs_of([5, 9, 3], [7, 2])
+    inputs = inputs_of([5, 9, 3], [7, 2], pad_rows=pad_rows)
+    assert inputs.input_ids.shape[0] == (8 if pad_rows else 5)  # GEMM-row padding: not copied
     static.load(inputs, gpu_rows=4, cpu_rows=2)
     meta = inputs.metadata
     assert static.input_ids[:3].tolist() == inputs.input_ids[:3].tolist()
-    assert static.input_ids[4:6].tolist() == inputs.input_ids[3:].tolist()
+    assert static.input_ids[4:6].tolist() == inputs.input_ids[3:5].tolist()
     assert static.positions[:3].tolist() == [4, 8, 2] and static.positions[4:6].tolist() == [6, 1]
     # GPU slots for the real GPU rows; nothing stored for padding and host rows.
     assert static.slot_mapping[:3].tolist() == meta.slot_mapping[:3].tolist()

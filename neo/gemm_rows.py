@@ -1,0 +1,85 @@
+"""Row buckets: the engine's eager GEMMs run with row counts from a fixed set, each seen once
+at start-up.
+
+The first time cuBLAS runs a GEMM shape in a process it prepares it (chooses a kernel, sets
+the kernel's attributes), and that preparation waits until every CUDA host function queued on
+any stream has run. Measured on the H100 (``benchmarks/launch_waits.py``): with a 300 ms host
+function running on another stream, a logits GEMM of a row count never seen before kept the
+launching thread 280 ms; a row count seen before, 0.3 ms. The host pipelines nearly always
+have host functions queued (a host batch's attention), and the iterations beside them have
+row counts that change every time (prompt lengths, request counts), so without buckets the
+launching thread, and the GPU with it, waited for the host batch in most such iterations.
+
+So a sub-batch's token rows are padded up to a bucket (``build_batch_inputs``: padding rows
+have slot -1 and no attention), the logits GEMM's rows too (``padded_logits``), and
+``warm_up`` runs every bucket's GEMMs once before serving. GEMM kernels compute whole tiles of
+64-256 rows anyway, so the padding costs little GEMM time.
+"""
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# (largest row count, step): row counts up to the limit are rounded up to a multiple of step.
+_STEPS = ((64, 8), (512, 32))
+_LARGE_STEP = 128
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket ``rows`` GEMM rows run as: a multiple of 8 up to 64, of 32 up to 512, then
+    of 128."""
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    step = next((step for limit, step in _STEPS if rows <= limit), _LARGE_STEP)
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every bucket a row count in ``[1, max_rows]`` pads to, ascending."""
+    buckets, rows = [], 1
+    while rows <= max_rows:
+        bucket = padded_rows(rows)
+        buckets.append(bucket)
+        rows = bucket + 1
+    return buckets
+
+
+def padded_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """``model.compute_logits`` of ``hidden [N, hidden]`` with the GEMM run over
+    ``padded_rows(N)`` rows (zero rows appended); float32 ``[N, vocab]``."""
+    rows = hidden.shape[0]
+    padding = padded_rows(rows) - rows
+    if padding:
+        hidden = torch.cat([hidden, hidden.new_zeros(padding, hidden.shape[1])])
+    return model.compute_logits(hidden)[:rows]
+
+
+@torch.inference_mode()
+def warm_up(model, max_tokens: int, max_sequences: int) -> None:
+    """Run each decoder-layer GEMM (as the layers call them: same weights' shapes, biases) for
+    every bucket up to ``max_tokens`` rows, and the logits GEMM for every bucket up to
+    ``max_sequences`` rows, so serving meets no GEMM shape for the first time."""
+    started = time.perf_counter()
+    layer = model.layers[0]
+    linears = [(layer.qkv_proj_weight, layer.qkv_proj_bias), (layer.o_proj_weight, layer.o_proj_bias),
+               (layer.gate_up_proj_weight, layer.gate_up_proj_bias), (layer.down_proj_weight, layer.down_proj_bias)]
+    lm_head = model.lm_head_weight
+    widest = max(weight.shape[1] for weight, _ in linears + [(lm_head, None)])
+    # Contiguous [rows, width] views, as the layers' inputs are (cuBLAS keys shapes by strides too).
+    buffer = torch.zeros(row_buckets(max_tokens)[-1] * widest, dtype=lm_head.dtype, device=lm_head.device)
+    count = 0
+    for rows in row_buckets(max_tokens):
+        for weight, bias in linears:
+            F.linear(buffer[:rows * weight.shape[1]].view(rows, weight.shape[1]), weight, bias)
+            count += 1
+    for rows in row_buckets(max_sequences):
+        model.compute_logits(buffer[:rows * lm_head.shape[1]].view(rows, lm_head.shape[1]))
+        count += 1
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)
+    logger.info("warmed up %d GEMM shapes (row buckets up to %d tokens, %d sequences) in %.1f s",
+                count, max_tokens, max_sequences, time.perf_counter() - started)
