@@ -66,6 +66,12 @@ class DecoderLayer(torch.nn.Module):
         self.down_proj_weight = _parameter((hidden, intermediate), dtype, device)
         self.down_proj_bias = _optional_parameter(config.mlp_bias, (hidden,), dtype, device)
 
+    def gemm_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter | None]]:
+        """``(weight, bias)`` of each GEMM the layer runs (QKV, O, gate/up, down); bias None
+        where absent."""
+        return [(self.qkv_proj_weight, self.qkv_proj_bias), (self.o_proj_weight, self.o_proj_bias),
+                (self.gate_up_proj_weight, self.gate_up_proj_bias), (self.down_proj_weight, self.down_proj_bias)]
+
     def pre_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                       meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -64,22 +64,19 @@ def warm_up(model, max_tokens: int, max_sequences: int) -> None:
     every bucket up to ``max_tokens`` rows, and the logits GEMM for every bucket up to
     ``max_sequences`` rows, so serving meets no GEMM shape for the first time."""
     started = time.perf_counter()
-    layer = model.layers[0]
-    linears = [(layer.qkv_proj_weight, layer.qkv_proj_bias), (layer.o_proj_weight, layer.o_proj_bias),
-               (layer.gate_up_proj_weight, layer.gate_up_proj_bias), (layer.down_proj_weight, layer.down_proj_bias)]
+    linears = model.layers[0].gemm_weights()  # every layer's have the same shapes
     lm_head = model.lm_head_weight
+    token_buckets, sequence_buckets = row_buckets(max_tokens), row_buckets(max_sequences)
     widest = max(weight.shape[1] for weight, _ in linears + [(lm_head, None)])
     # Contiguous [rows, width] views, as the layers' inputs are (cuBLAS keys shapes by strides too).
-    buffer = torch.zeros(row_buckets(max_tokens)[-1] * widest, dtype=lm_head.dtype, device=lm_head.device)
-    count = 0
-    for rows in row_buckets(max_tokens):
+    buffer = torch.zeros(token_buckets[-1] * widest, dtype=lm_head.dtype, device=lm_head.device)
+    for rows in token_buckets:
         for weight, bias in linears:
             F.linear(buffer[:rows * weight.shape[1]].view(rows, weight.shape[1]), weight, bias)
-            count += 1
-    for rows in row_buckets(max_sequences):
+    for rows in sequence_buckets:
         model.compute_logits(buffer[:rows * lm_head.shape[1]].view(rows, lm_head.shape[1]))
-        count += 1
     if buffer.is_cuda:
         torch.cuda.synchronize(buffer.device)
     logger.info("warmed up %d GEMM shapes (row buckets up to %d tokens, %d sequences) in %.1f s",
-                count, max_tokens, max_sequences, time.perf_counter() - started)
+                len(token_buckets) * len(linears) + len(sequence_buckets), max_tokens, max_sequences,
+                time.perf_counter() - started)
