@@ -18,6 +18,8 @@
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
+#   frontier     tokens/s against the time between a request's tokens, host decodes beside a full
+#                GPU pool (benchmarks/interval_frontier.py; FRONTIER_ARGS, e.g. --cpu-attention-threads 8)
 #   async-watchdog  32B memory-poor neo with the async host pipeline (OFFLOAD_ARGS adds arguments);
 #                if it still runs after WATCHDOG_SECONDS (default 200), every thread's Python
 #                stack (SIGUSR1) and native stack (cuda-gdb) go to the results, and it is killed
@@ -164,6 +166,10 @@ stage_async_watchdog() {
   else
     wait $pid || failures+=(async-watchdog)
   fi
+}
+
+stage_frontier() {
+  run frontier python3 benchmarks/interval_frontier.py ${FRONTIER_ARGS:-} --json "$out/files/frontier-$(date +%H%M%S).json"
 }
 
 stage_online() {
