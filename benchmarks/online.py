@@ -115,8 +115,9 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="name part of the output files (online-<tag>-sweep.json, ...), to "
                              "keep several runs in one directory")
     parser.add_argument("--merge", nargs="+", default=[], metavar="SWEEP_JSON",
-                        help="report: fold in the policies of these sweep files (same workload, "
-                             "arrivals and engine options; runs of other machine starts or calls)")
+                        help="report: fold in the load levels of these sweep files (same workload, "
+                             "arrivals and engine options; other policies, or other rates of a policy "
+                             "already there: runs of other machine starts or calls)")
     parser.add_argument("--append", action="store_true",
                         help="sweep: keep the other policies' results already in the sweep's "
                              "JSON file (same workload, arrivals and engine options), so "
@@ -293,11 +294,13 @@ def run_report(args) -> None:
         with open(path) as file:
             other = json.load(file)
         check_same_setup(other, results, path, "--merge")
-        shared = set(other["policies"]) & set(results["policies"])
+        levels = {(summary["policy"], summary["rate"]) for summary in results["summaries"]}
+        shared = sorted(level for level in ((summary["policy"], summary["rate"]) for summary in other["summaries"])
+                        if level in levels)
         if shared:
-            raise SystemExit(f"--merge: {path} holds policies {sorted(shared)} that {json_path} has too")
+            raise SystemExit(f"--merge: {path} holds load levels (policy, rate) {shared} that {json_path} has too")
         results["runs"] += other["runs"]
-        results["policies"] |= other["policies"]
+        results["policies"] = other["policies"] | results["policies"]
         results["summaries"] += other["summaries"]
         results["records"] += other["records"]
         results.setdefault("device", other.get("device"))

@@ -815,33 +815,39 @@ def test_load_generator_sweep_end_to_end(tmp_path):
 
 
 def check_report_merges_split_sweeps(results: dict, tmp_path) -> None:
-    """``--mode report --merge``: the sweep split into one file per policy (as two machine
-    starts would write them) merges back to the same knees and comparison, with plots."""
-    for policy in ("gpu-only", "neo"):
+    """``--mode report --merge``: the sweep split into one file per policy, and neo's into one
+    file per rate (as separate machine starts would write them), merges back to the same knees
+    and comparison, with plots."""
+    parts = {"gpu-only": ("gpu-only", None), "neo-3": ("neo", 3.0), "neo-20": ("neo", 20.0)}
+    for name, (policy, rate) in parts.items():
+        def kept(entry):
+            return entry["policy"] == policy and rate in (None, entry["rate"])
         part = {**results, "policies": {policy: results["policies"][policy]},
                 "runs": [run for run in results["runs"] if run["policies"] == [policy]],
-                "summaries": [entry for entry in results["summaries"] if entry["policy"] == policy],
-                "records": [entry for entry in results["records"] if entry["policy"] == policy]}
-        os.makedirs(tmp_path / policy)
-        with open(tmp_path / policy / "online-tiny-sweep.json", "w") as file:
+                "summaries": [entry for entry in results["summaries"] if kept(entry)],
+                "records": [entry for entry in results["records"] if kept(entry)]}
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "online-tiny-sweep.json", "w") as file:
             json.dump(part, file)
     completed = subprocess.run(
         [sys.executable, os.path.join(BENCHMARKS, "online.py"), "--mode", "report", "--tag", "tiny",
-         "--output-dir", str(tmp_path / "gpu-only"), "--merge", str(tmp_path / "neo" / "online-tiny-sweep.json")],
+         "--output-dir", str(tmp_path / "gpu-only"), "--merge", str(tmp_path / "neo-3" / "online-tiny-sweep.json"),
+         str(tmp_path / "neo-20" / "online-tiny-sweep.json")],
         capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     with open(tmp_path / "gpu-only" / "online-tiny-sweep.json") as file:
         merged = json.load(file)
     assert merged["knee"] == results["knee"] and merged["comparison"] == results["comparison"]
     assert len(merged["records"]) == len(results["records"])
+    assert set(merged["policies"]) == {"gpu-only", "neo"}
     for name in ("online-tiny-latency-vs-rate.png", "online-tiny-latency-cdf.png"):
         with open(tmp_path / "gpu-only" / name, "rb") as file:
             assert file.read(8) == b"\x89PNG\r\n\x1a\n"
-    again = subprocess.run(  # the same policy twice is refused
+    again = subprocess.run(  # the same load level twice is refused
         [sys.executable, os.path.join(BENCHMARKS, "online.py"), "--mode", "report", "--tag", "tiny",
-         "--output-dir", str(tmp_path / "gpu-only"), "--merge", str(tmp_path / "neo" / "online-tiny-sweep.json")],
+         "--output-dir", str(tmp_path / "gpu-only"), "--merge", str(tmp_path / "neo-20" / "online-tiny-sweep.json")],
         capture_output=True, text=True, timeout=120)
-    assert again.returncode != 0 and "holds policies ['neo']" in again.stderr
+    assert again.returncode != 0 and "holds load levels (policy, rate) [('neo', 20.0)]" in again.stderr
 
 
 @pytest.mark.slow
