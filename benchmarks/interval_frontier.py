@@ -86,7 +86,9 @@ def point(pipeline: str, host: int, gpu: int, seconds_per_token: dict, tokens_pe
 
 def measure_gpu_only(engine: LLMEngine, gpu: list[Request], repeats: int) -> dict:
     seconds = time_iterations(engine, SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu)]), repeats)
-    return point("gpu-only", 0, len(gpu), {"gpu": seconds}, len(gpu) / seconds, None)
+    result = point("gpu-only", 0, len(gpu), {"gpu": seconds}, len(gpu) / seconds, None)
+    result["replayed_graph"] = engine.runner.replayed_graph  # as the engine's decodes are, where it has graphs
+    return result
 
 
 def measure_lockstep(engine: LLMEngine, gpu: list[Request], host: list[Request], repeats: int,
@@ -104,6 +106,7 @@ def measure_lockstep(engine: LLMEngine, gpu: list[Request], host: list[Request],
     result = point("lockstep", len(host), len(gpu), {"gpu": seconds, "host": seconds},
                    (len(gpu) + len(host)) / seconds, baseline)
     result["host_requests_in_sub_batch_0"] = in_first
+    result["replayed_graph"] = engine.runner.replayed_graph
     return result
 
 
@@ -160,11 +163,15 @@ def build_engine(args, pipeline: str) -> LLMEngine:
                                   max_model_len=args.max_model_len, cpu_attention_threads=args.cpu_attention_threads))
 
 
+def blocks_per_request(engine: LLMEngine, context: int) -> int:
+    """Blocks of a request of ``context`` tokens with the slot of its next one."""
+    return -(-(context + 1) // engine.config.block_size)
+
+
 def fill_gpu_pool(engine: LLMEngine, profiler: Profiler, context: int, limit: int | None) -> list[Request]:
     """As many GPU decodes of ``context`` tokens as the GPU pool holds (each with its next
     slot), at most ``limit``."""
-    blocks_each = -(-(context + 1) // engine.config.block_size)
-    count = engine.layout.num_gpu_blocks // blocks_each
+    count = engine.layout.num_gpu_blocks // blocks_per_request(engine, context)
     if limit is not None:
         count = min(count, limit)
     if count < 1:
@@ -179,7 +186,7 @@ def measure_pipeline(args, pipeline: str) -> tuple[list[dict], dict]:
     try:
         profiler = Profiler(engine)
         gpu = fill_gpu_pool(engine, profiler, args.context, args.gpu_requests)
-        needed = max(args.host_requests) * -(-(args.context + 1) // engine.config.block_size)
+        needed = max(args.host_requests) * blocks_per_request(engine, args.context)
         if needed > engine.layout.num_cpu_blocks:
             raise SystemExit(f"{max(args.host_requests)} host requests of {args.context} tokens need "
                              f"{needed} host blocks; the host pool has {engine.layout.num_cpu_blocks}: "

@@ -31,6 +31,7 @@ def test_every_pipeline_measures_each_host_count(frontier, tmp_path):
     for pipeline, points in report["pipelines"].items():
         baseline, *with_host = points
         assert baseline["pipeline"] == "gpu-only" and baseline["ratio_to_gpu_only"] == 1.0
+        assert baseline["replayed_graph"] is False  # no CUDA graphs on the CPU
         assert [entry["host_requests"] for entry in with_host] == [1, 3]
         for entry in with_host:
             assert entry["pipeline"] == pipeline and entry["gpu_requests"] == baseline["gpu_requests"] > 0
