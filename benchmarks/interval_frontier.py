@@ -28,16 +28,13 @@ latency.
 """
 
 import argparse
-import gc
 import json
 import statistics
 import sys
 import time
 
-import torch
-
 from neo import EngineConfig, LLMEngine
-from neo.bench import device_name
+from neo.bench import device_name, release_device_memory
 from neo.profiler import Profiler
 from neo.request import KVLocation, Request
 from neo.scheduler_output import SchedulerOutput, SubBatch
@@ -218,9 +215,7 @@ def measure_pipeline(args, pipeline: str) -> tuple[list[dict], dict]:
     finally:
         engine.close()
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import datetime
 import faulthandler
-import gc
 import gzip
 import json
 import logging
@@ -39,10 +38,9 @@ import signal
 import statistics
 import tempfile
 
-import torch
 
 from neo import EngineConfig, LLMEngine
-from neo.bench import run_offline_benchmark
+from neo.bench import release_device_memory, run_offline_benchmark
 
 POLICIES = ("gpu-only", "neo", "full-offload")
 
@@ -173,9 +171,7 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
         finally:
             engine.close()
             del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_device_memory()
     return results
 
 

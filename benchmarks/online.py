@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import gc
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from online_plots import plot_latency_cdf, plot_latency_vs_rate
 from online_server import ServerProcess, metric_value
 from online_stats import compare_to_reference, knee_value, knees, load_position, summarize
 
+from neo.bench import release_device_memory
 from neo.cli import build_parser, engine_config_from_args
 from neo.config import POLICIES
 from neo.models.loader import resolve_model_config
@@ -481,14 +481,6 @@ def run_overhead(args, engine_args: list[str], vocab_size: int) -> None:
     for policy, entry in results["policies"].items():
         print(f"{policy:<13}{_ms(entry['http_tpot_median_s']):>16}"
               f"{_ms(entry['generate_tpot_median_s']):>20}{entry['ratio']:>8.3f}")
-
-
-def release_device_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
