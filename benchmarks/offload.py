@@ -38,7 +38,6 @@ import signal
 import statistics
 import tempfile
 
-
 from neo import EngineConfig, LLMEngine
 from neo.bench import release_device_memory, run_offline_benchmark
 
