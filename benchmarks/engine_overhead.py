@@ -15,7 +15,7 @@ import time
 import torch
 
 from neo import EngineConfig, LLMEngine, SamplingParams
-from neo.batch_inputs import build_batch_inputs
+from neo.runner.batch_inputs import build_batch_inputs
 from neo.bench import device_name
 
 PHASES = ("schedule", "inputs", "forward", "sample", "postprocess")

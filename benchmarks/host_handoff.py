@@ -37,9 +37,9 @@ import torch
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import device_name
-from neo.profiler import Profiler
+from neo.runner.profiler import Profiler
 from neo.request import KVLocation
-from neo.scheduler_output import SchedulerOutput, SubBatch
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 
 def _median_ms(values: list[float]) -> float:

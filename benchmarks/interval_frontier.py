@@ -35,9 +35,9 @@ import time
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import device_name, release_device_memory
-from neo.profiler import Profiler
+from neo.runner.profiler import Profiler
 from neo.request import KVLocation, Request
-from neo.scheduler_output import SchedulerOutput, SubBatch
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 # Fractions of the host decodes that go into sub-batch 0 (with the GPU decodes) in a lockstep
 # iteration; the best is kept.

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from neo.gemm_rows import padded_rows, row_buckets
+from neo.runner.gemm_rows import padded_rows, row_buckets
 
 _libcuda = ctypes.CDLL("libcuda.so.1")
 _usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value

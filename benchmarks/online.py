@@ -60,7 +60,7 @@ from neo.bench import release_device_memory
 from neo.cli import build_parser, engine_config_from_args
 from neo.config import POLICIES
 from neo.models.loader import resolve_model_config
-from neo.workloads import parse_workload, random_prompt
+from neo.bench.workloads import parse_workload, random_prompt
 
 REFERENCE_POLICY = "gpu-only"
 RESERVED_ENGINE_OPTIONS = ("--policy", "--host", "--port")

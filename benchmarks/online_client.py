@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from neo.workloads import parse_workload, random_prompt
+from neo.bench.workloads import parse_workload, random_prompt
 
 ARRIVALS = ("poisson", "trace", "scaled")
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import neo.ops
-from neo.host_memory import huge_page_zeros
+from neo.kv.host_memory import huge_page_zeros
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (num_seqs, context_len)

@@ -18,8 +18,8 @@ the loader fills them. Kernels are ``torch.ops.neo.*``; GEMMs are ``torch.nn.fun
 import torch
 import torch.nn.functional as F
 
-from neo.attention_metadata import AttentionMetadata
-from neo.model_config import ModelConfig
+from .attention_metadata import AttentionMetadata
+from .config import ModelConfig
 
 from .rotary import RotaryEmbedding
 

@@ -3,7 +3,7 @@
 A model is named by one of:
 
 - ``"neo-tiny"``: the built-in tiny model (``tiny.py``), weights generated in code;
-- a shipped config name (``neo/model_configs/<name>.json``, e.g. ``"llama-3.1-8b"``; case does not
+- a shipped config name (``models/configs/<name>.json``, e.g. ``"llama-3.1-8b"``; case does not
   matter): real model shapes without weights, for ``load_format="dummy"`` benchmarks;
 - a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (one file, or shards
   listed in ``model.safetensors.index.json``).
@@ -23,7 +23,7 @@ from importlib import resources
 import torch
 from safetensors import safe_open
 
-from neo.model_config import ModelConfig, parse_dtype
+from .config import ModelConfig, parse_dtype
 
 from . import tiny
 from .llama import CausalLM
@@ -36,7 +36,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def builtin_config_names() -> list[str]:
     """Names of the shipped config files (without ``.json``), sorted."""
-    files = resources.files("neo.model_configs").iterdir()
+    files = resources.files("neo.models.configs").iterdir()
     return sorted(entry.name[:-len(".json")] for entry in files if entry.name.endswith(".json"))
 
 
@@ -46,7 +46,7 @@ def builtin_model_names() -> list[str]:
 
 
 def _builtin_config(name: str) -> ModelConfig:
-    text = resources.files("neo.model_configs").joinpath(f"{name}.json").read_text()
+    text = resources.files("neo.models.configs").joinpath(f"{name}.json").read_text()
     return ModelConfig.from_hf_config(json.loads(text), name=name)
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from neo.model_config import ModelConfig, rope_scaling_type
+from .config import ModelConfig, rope_scaling_type
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

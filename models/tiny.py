@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from neo.model_config import ModelConfig
+from .config import ModelConfig
 
 TINY_NAME = "neo-tiny"
 NUM_BYTE_TOKENS = 256

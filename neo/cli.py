@@ -88,7 +88,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .profiler import profile_to_file
+    from neo.runner.profiler import profile_to_file
 
     path = profile_to_file(engine_config_from_args(args), args.output)
     print(f"perf model written to {path}")

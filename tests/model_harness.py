@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neo.attention_metadata import AttentionMetadata
+from neo.models.attention_metadata import AttentionMetadata
 
 CACHE_POISON = 1.0e3
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
-from neo.scheduler_output import SchedulerOutput
+from neo.sched.scheduler_output import SchedulerOutput
 from neo.server.async_engine import AsyncEngine, EngineStopped, RequestFailed
 
 TIMEOUT_SECONDS = 60

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.async_offload_scheduler import AsyncOffloadScheduler
-from neo.block_manager import BlockManager
+from neo.sched.async_offload_scheduler import AsyncOffloadScheduler
+from neo.sched.block_manager import BlockManager
 from neo.config import EngineConfig
-from neo.perf_model import HostBatchInterference, HostTimeCalibration, PerfModel
+from neo.sched.perf_model import HostBatchInterference, HostTimeCalibration, PerfModel
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
-from neo.scheduler_output import SchedulerOutput
+from neo.sched.scheduler_output import SchedulerOutput
 
 from test_block_manager import check_pools
 from test_offload_scheduler import random_requests, requests_of, synthetic_model

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.block_manager import BlockManager, OutOfBlocksError
+from neo.sched.block_manager import BlockManager, OutOfBlocksError
 from neo.config import EngineConfig
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
-from neo.scheduler import Scheduler
+from neo.sched.scheduler import Scheduler
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU
 

@@ -14,7 +14,7 @@ import torch
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
-from neo.perf_model import PerfTable
+from neo.sched.perf_model import PerfTable
 from neo.request import KVLocation
 
 

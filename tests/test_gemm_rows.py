@@ -9,11 +9,11 @@ from torch.overrides import TorchFunctionMode
 
 from engine_reference import PROMPTS, gib_for_blocks
 from neo import LLM, SamplingParams
-from neo.batch_inputs import build_batch_inputs
+from neo.runner.batch_inputs import build_batch_inputs
 from neo.models.loader import load_model
-from neo.gemm_rows import padded_logits, padded_rows, row_buckets, warm_up
+from neo.runner.gemm_rows import padded_logits, padded_rows, row_buckets, warm_up
 from neo.request import KVLocation, Request
-from neo.scheduler_output import SubBatch
+from neo.sched.scheduler_output import SubBatch
 
 
 def test_padded_rows_is_the_smallest_bucket_at_or_above():

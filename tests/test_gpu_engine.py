@@ -9,11 +9,11 @@
 import pytest
 import torch
 
-import neo.executor
+import neo.runner.executor
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
-from neo.kv_cache import CacheLayout, KVCache
+from neo.kv.kv_cache import CacheLayout, KVCache
 from neo.ops import reference
 from neo.request import KVLocation
 

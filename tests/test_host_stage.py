@@ -10,7 +10,7 @@ functions, which only compiled kernels may do).
 import pytest
 import torch
 
-from neo.executor import FAILURE_MESSAGE_BYTES, _SlotBuffers, host_stage_available
+from neo.runner.executor import FAILURE_MESSAGE_BYTES, _SlotBuffers, host_stage_available
 from neo.ops import dispatched, reference
 
 from conftest import assert_close, random_paged_kv, random_tensor

@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from model_harness import PagedKVHarness
-from neo.model_config import ModelConfig
+from neo.models.config import ModelConfig
 from neo.models import loader, tiny
 from neo.models.loader import load_model, resolve_model_config
 from neo.models.rotary import cos_sin_table
@@ -308,7 +308,7 @@ def test_dummy_load_of_shipped_config_on_meta(name):
 
 def test_dummy_load_is_seeded_and_runs(tmp_path):
     """A scaled-down Llama-3.1-8B config: real code path, small shapes."""
-    text = loader.resources.files("neo.model_configs").joinpath("llama-3.1-8b.json").read_text()
+    text = loader.resources.files("neo.models.configs").joinpath("llama-3.1-8b.json").read_text()
     config = json.loads(text) | {"num_hidden_layers": 2, "hidden_size": 256,
                                  "intermediate_size": 512, "num_attention_heads": 8,
                                  "num_key_value_heads": 2, "vocab_size": 1000}

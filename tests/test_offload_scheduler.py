@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.block_manager import BlockManager
+from neo.sched.block_manager import BlockManager
 from neo.config import EngineConfig
-from neo.offload_scheduler import OffloadScheduler
-from neo.perf_model import HostTimeCalibration, PerfModel, PerfTable
+from neo.sched.offload_scheduler import OffloadScheduler
+from neo.sched.perf_model import HostTimeCalibration, PerfModel, PerfTable
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
-from neo.scheduler_output import SchedulerOutput, SubBatch
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 from test_block_manager import check_pools
 

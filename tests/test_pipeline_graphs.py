@@ -5,11 +5,11 @@ are checked against transformers in test_gpu_engine.py)."""
 import pytest
 import torch
 
-from neo.batch_inputs import build_batch_inputs
-from neo.pipeline_graphs import StaticInputs, graph_shape, padded, padded_counts
+from neo.runner.batch_inputs import build_batch_inputs
+from neo.runner.pipeline_graphs import StaticInputs, graph_shape, padded, padded_counts
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
-from neo.scheduler_output import SubBatch
+from neo.sched.scheduler_output import SubBatch
 
 BLOCK_SIZE = 4
 SIZES = padded_counts(8)

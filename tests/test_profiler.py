@@ -6,8 +6,8 @@ import pytest
 
 from neo import EngineConfig, LLMEngine
 from neo.cli import main as cli_main
-from neo.perf_model import PerfModel, PerfTable, interpolate
-from neo.profiler import Profiler
+from neo.sched.perf_model import PerfModel, PerfTable, interpolate
+from neo.runner.profiler import Profiler
 
 SMALL = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.02, max_num_batched_tokens=256, max_num_seqs=16)
 
@@ -115,11 +115,11 @@ def test_a_rebuilt_kernel_is_profiled_again(tmp_path, monkeypatch):
     """The table key holds the compiled kernels' fingerprints: a table measured with other
     builds is not reused."""
     monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("neo.profiler.build_fingerprints", lambda: {"ispc": "0123456789abcdef"})
+    monkeypatch.setattr("neo.runner.profiler.build_fingerprints", lambda: {"ispc": "0123456789abcdef"})
     LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL)).close()
     (first,) = (tmp_path / "perf").glob("*.json")
     assert PerfTable.load(str(first)).key["kernels"] == {"ispc": "0123456789abcdef"}
-    monkeypatch.setattr("neo.profiler.build_fingerprints", lambda: {"ispc": "fedcba9876543210"})
+    monkeypatch.setattr("neo.runner.profiler.build_fingerprints", lambda: {"ispc": "fedcba9876543210"})
     LLMEngine(EngineConfig(policy="neo", perf_model="auto", **SMALL)).close()
     tables = sorted((tmp_path / "perf").glob("*.json"))
     assert len(tables) == 2 and {PerfTable.load(str(path)).key["kernels"]["ispc"] for path in tables} == {

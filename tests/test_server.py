@@ -769,7 +769,7 @@ def test_scaled_trace_arrivals_reach_the_rate(rate):
         from online_client import plan_requests
     finally:
         sys.path.remove(BENCHMARKS)
-    from neo.workloads import parse_workload
+    from neo.bench.workloads import parse_workload
     duration = 40.0
     planned = plan_requests("azure-code", "scaled", rate, duration, 1000, 0, 8192)
     assert len(planned) == round(rate * duration)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .host_memory import huge_page_zeros
-from .model_config import ModelConfig
+from neo.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,27 +7,27 @@ from collections.abc import Callable
 
 import torch
 
-from .async_offload_scheduler import AsyncOffloadScheduler
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
-from .cuda_graphs import DecodeGraphs
-from .executor import PipelineExecutor
-from .gemm_rows import warm_up as warm_up_gemm_rows
-from .host_batches import HostBatchResult, HostBatchRunner
-from .kv_cache import GIB, CacheLayout, KVCache
-from .memory import gpu_kv_cache_bytes
+from neo.sched.async_offload_scheduler import AsyncOffloadScheduler
+from neo.sched.block_manager import BlockManager
+from neo.config import EngineConfig
+from neo.runner.cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
+from neo.runner.decode_graphs import DecodeGraphs
+from neo.runner.executor import PipelineExecutor
+from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
+from neo.runner.host_batches import HostBatchResult, HostBatchRunner
+from neo.kv.kv_cache import GIB, CacheLayout, KVCache
+from neo.kv.budget import gpu_kv_cache_bytes
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
-from .model_config import parse_dtype
-from .model_runner import ModelRunner
-from .offload_scheduler import OffloadScheduler
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .pipeline_graphs import PipelineGraphs
-from .profiler import load_perf_model
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .scheduler_output import SchedulerOutput
+from neo.models.config import parse_dtype
+from neo.runner.model_runner import ModelRunner
+from neo.sched.offload_scheduler import OffloadScheduler
+from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from neo.runner.pipeline_graphs import PipelineGraphs
+from neo.runner.profiler import load_perf_model
+from neo.request import Request, RequestStatus
+from neo.sampling_params import SamplingParams
+from neo.sched.scheduler import Scheduler
+from neo.sched.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

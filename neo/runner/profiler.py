@@ -37,12 +37,12 @@ from tqdm import tqdm
 
 from neo.ops import build_fingerprints
 
-from .attention_metadata import AttentionMetadata
-from .config import EngineConfig
-from .perf_model import PerfModel, PerfTable
-from .request import KVLocation, Request
-from .sampling_params import SamplingParams
-from .scheduler_output import SchedulerOutput, SubBatch
+from neo.models.attention_metadata import AttentionMetadata
+from neo.config import EngineConfig
+from neo.sched.perf_model import PerfModel, PerfTable
+from neo.request import KVLocation, Request
+from neo.sampling_params import SamplingParams
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def load_perf_model(config: EngineConfig, engine) -> PerfModel:
 
 def profile_to_file(config: EngineConfig, path: str | None) -> str:
     """``neo profile``: build an engine, measure, write the table; returns its path."""
-    from .engine import LLMEngine
+    from neo.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**{**config.__dict__, "perf_model": "zero",
                                        "policy": "neo" if config.policy == "gpu-only" else config.policy}))

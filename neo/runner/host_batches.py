@@ -37,11 +37,11 @@ import torch
 from .batch_inputs import build_batch_inputs
 from .cpu_worker import CpuAttentionWorker
 from .executor import PipelineExecutor
-from .kv_cache import KVCache
+from neo.kv.kv_cache import KVCache
 from .pipeline_graphs import PipelineGraphs
-from .request import Request
+from neo.request import Request
 from .sampler import Sampler
-from .scheduler_output import SubBatch
+from neo.sched.scheduler_output import SubBatch
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from .sampling_params import SamplingParams
+from neo.sampling_params import SamplingParams
 
 
 class Sampler:

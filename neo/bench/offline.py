@@ -9,11 +9,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .kv_cache import GIB
-from .request import KVLocation
-from .sampling_params import SamplingParams
+from neo.config import EngineConfig
+from neo.engine import LLMEngine
+from neo.kv.kv_cache import GIB
+from neo.request import KVLocation
+from neo.sampling_params import SamplingParams
 from .workloads import parse_workload, random_prompt
 
 

@@ -53,11 +53,11 @@ import torch
 
 from neo.ops import dispatched
 
-from .attention_metadata import AttentionMetadata
+from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
 from .cpu_worker import CpuAttentionWorker
 from .gemm_rows import padded_logits
-from .kv_cache import KVCache
+from neo.kv.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

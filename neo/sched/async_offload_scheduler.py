@@ -32,7 +32,7 @@ batch's GPU stages' share of the batch's time).
 """
 
 from .perf_model import HostBatchInterference
-from .request import KVLocation, Request, RequestStatus
+from neo.request import KVLocation, Request, RequestStatus
 from .offload_scheduler import EPSILON, OffloadScheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from neo.models.attention_metadata import AttentionMetadata
 from .gemm_rows import padded_rows
-from .request import KVLocation, Request
-from .scheduler_output import SubBatch
+from neo.request import KVLocation, Request
+from neo.sched.scheduler_output import SubBatch
 
 
 @dataclass

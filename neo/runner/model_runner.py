@@ -6,13 +6,13 @@ from collections.abc import Callable
 import torch
 
 from .batch_inputs import build_batch_inputs
-from .cuda_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs
 from .executor import PipelineExecutor
 from .host_batches import HostBatchResult, HostBatchRunner
-from .kv_cache import KVCache
+from neo.kv.kv_cache import KVCache
 from .pipeline_graphs import PipelineGraphs
 from .sampler import Sampler
-from .scheduler_output import SchedulerOutput
+from neo.sched.scheduler_output import SchedulerOutput
 
 HOST_BATCH_POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
 

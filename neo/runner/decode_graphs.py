@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
 from .gemm_rows import padded_logits
 

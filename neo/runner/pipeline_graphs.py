@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
-from .cuda_graphs import graph_block_width
+from .decode_graphs import graph_block_width
 from .executor import PipelineExecutor
 
 logger = logging.getLogger(__name__)

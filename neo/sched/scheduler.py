@@ -4,8 +4,8 @@ import logging
 from collections import deque
 
 from .block_manager import BlockManager
-from .config import EngineConfig
-from .request import KVLocation, Request, RequestStatus
+from neo.config import EngineConfig
+from neo.request import KVLocation, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, CPU = KVLocation.GPU, KVLocation.CPU

@@ -46,10 +46,10 @@ the correction is optimistic, so host decodes are tried wherever they might pay.
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .cuda_graphs import graph_block_width
-from .config import EngineConfig
+from neo.runner.decode_graphs import graph_block_width
+from neo.config import EngineConfig
 from .perf_model import HostTimeCalibration, PerfModel
-from .request import KVLocation, Request
+from neo.request import KVLocation, Request
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 

@@ -4,8 +4,8 @@ import logging
 
 import torch
 
-from .attention_metadata import AttentionMetadata
-from .config import EngineConfig
+from neo.models.attention_metadata import AttentionMetadata
+from neo.config import EngineConfig
 from .kv_cache import GIB
 
 logger = logging.getLogger(__name__)

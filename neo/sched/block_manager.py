@@ -1,6 +1,6 @@
 """``BlockManager``: owns the compute-device and host KV block pools. Pure Python."""
 
-from .request import KVLocation, Request
+from neo.request import KVLocation, Request
 
 
 class OutOfBlocksError(RuntimeError):

@@ -59,7 +59,7 @@ def synthetic(num_requests: int, input_len: int, output_len: int, seed: int = 0)
 
 def azure_code(num_requests: int) -> list[WorkloadRequest]:
     rows = []
-    with resources.files("neo.data").joinpath(AZURE_CODE_TRACE).open() as file:
+    with resources.files("neo.bench.data").joinpath(AZURE_CODE_TRACE).open() as file:
         for row in csv.DictReader(file):
             rows.append(row)
             if len(rows) == num_requests:

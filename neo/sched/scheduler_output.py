@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from .request import Request
+from neo.request import Request
 
 
 @dataclass
