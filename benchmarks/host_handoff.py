@@ -59,7 +59,7 @@ def time_alone(engine: LLMEngine, requests, repeats: int) -> float:
     lengths = torch.tensor([r.num_tokens for r in requests], dtype=torch.int32)
     slots = torch.tensor([r.block_table[(r.num_tokens - 1) // block_size] * block_size + (r.num_tokens - 1) % block_size
                           for r in requests], dtype=torch.int64)
-    k_cache, v_cache = engine.kv_cache.cpu_layers[0]
+    k_cache, v_cache = engine.kv_cache.host_layers[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(engine.worker.num_threads)
     try:
@@ -93,7 +93,7 @@ def write_trace(engine: LLMEngine, plan: SchedulerOutput, path: str) -> None:
     """One iteration of ``plan`` under torch.profiler (launches on the host, kernels, copies),
     as a gzipped Chrome trace."""
     engine.runner.execute(plan)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.HOST,
                                             torch.profiler.ProfilerActivity.CUDA]) as profile:
         engine.runner.execute(plan)
     with tempfile.TemporaryDirectory() as directory:
@@ -106,17 +106,17 @@ def write_trace(engine: LLMEngine, plan: SchedulerOutput, path: str) -> None:
 def measure(engine: LLMEngine, count: int, length: int, repeats: int, trace_path: str | None = None) -> dict:
     profiler = Profiler(engine)
     layers = engine.model_config.num_layers
-    host = profiler._requests(KVLocation.CPU, [length] * count)
+    host = profiler._requests(KVLocation.HOST, [length] * count)
     gpu = profiler._requests(KVLocation.GPU, [length])
     half = max(1, count // 2)
     second = max(1, count - half)
     pair = profiler._requests(KVLocation.GPU, [engine.config.block_size] * (half + second))
     try:
         alone = time_alone(engine, host, repeats)
-        engine_host, engine_wall, _ = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=host)]),
+        engine_host, engine_wall, _ = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(host_decodes=host)]),
                                                 repeats)
-        pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:half]),
-                                                 SubBatch(cpu_decodes=host[half:] or host[:1])])
+        pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:half]),
+                                                 SubBatch(host_decodes=host[half:] or host[:1])])
         graphs = engine.runner.pipeline_graphs
         engine.runner.pipeline_graphs = None
         try:

@@ -94,8 +94,8 @@ def measure_lockstep(engine: LLMEngine, gpu: list[Request], host: list[Request],
     best = None
     for fraction in LOCKSTEP_SPLITS:
         in_first = min(len(host) - 1, round(fraction * len(host)))
-        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:in_first]),
-                                            SubBatch(cpu_decodes=host[in_first:])])
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:in_first]),
+                                            SubBatch(host_decodes=host[in_first:])])
         seconds = time_iterations(engine, plan, repeats)
         if best is None or seconds < best[0]:
             best = (seconds, in_first)
@@ -113,7 +113,7 @@ def measure_async(engine: LLMEngine, gpu: list[Request], host: list[Request], ba
     launched at the first iteration after the previous one completed (after a warm-up batch)."""
     runner = engine.runner
     gpu_plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu)])
-    host_plan = SchedulerOutput(host_batch=SubBatch(cpu_decodes=host))
+    host_plan = SchedulerOutput(host_batch=SubBatch(host_decodes=host))
     runner.launch_host_batch(host_plan)  # warm-up: captures the batch's pipeline graph
     runner.collect_host_batch(wait_seconds=float("inf"))
     iteration_seconds, host_periods, batch_seconds, launched_at = [], [], [], None
@@ -184,11 +184,11 @@ def measure_pipeline(args, pipeline: str) -> tuple[list[dict], dict]:
         profiler = Profiler(engine)
         gpu = fill_gpu_pool(engine, profiler, args.context, args.gpu_requests)
         needed = max(args.host_requests) * blocks_per_request(engine, args.context)
-        if needed > engine.layout.num_cpu_blocks:
+        if needed > engine.layout.num_host_blocks:
             raise SystemExit(f"{max(args.host_requests)} host requests of {args.context} tokens need "
-                             f"{needed} host blocks; the host pool has {engine.layout.num_cpu_blocks}: "
+                             f"{needed} host blocks; the host pool has {engine.layout.num_host_blocks}: "
                              f"raise --cpu-kv-cache-gib")
-        host_all = profiler._requests(KVLocation.CPU, [args.context] * max(args.host_requests))
+        host_all = profiler._requests(KVLocation.HOST, [args.context] * max(args.host_requests))
         info = {"device": device_name(engine.device), "host_threads": engine.worker.num_threads,
                 "gpu_pool_blocks": engine.layout.num_gpu_blocks}
         try:

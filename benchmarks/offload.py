@@ -75,9 +75,9 @@ def trace_statistics(trace: list[dict]) -> dict:
     def idle(record):
         return max(0.0, record["measured_seconds"] - record["gpu_busy_seconds"])
 
-    host_busy = sum(r["cpu_busy_seconds"] for r in two)
-    host_ratios = [r["cpu_busy_seconds"] / r["profiled_cpu_seconds"] for r in trace
-                   if r["cpu_decodes"] and not r["prefill_tokens"] and r["profiled_cpu_seconds"] and r["cpu_busy_seconds"] > 0]
+    host_busy = sum(r["host_busy_seconds"] for r in two)
+    host_ratios = [r["host_busy_seconds"] / r["profiled_host_seconds"] for r in trace
+                   if r["host_decodes"] and not r["prefill_tokens"] and r["profiled_host_seconds"] and r["host_busy_seconds"] > 0]
     gpu_idle_two = sum(idle(r) for r in two)
 
     def median_of(selected: list[dict], key: str) -> float | None:
@@ -86,13 +86,13 @@ def trace_statistics(trace: list[dict]) -> dict:
     # Decode-only iterations without host work, split by how they ran: where two policies make
     # the same plans, these show whether their execution differs.
     decode_only = [r for r in records if r["num_sub_batches"] == 1 and not r["prefill_tokens"]
-                   and not r["cpu_decodes"]]
+                   and not r["host_decodes"]]
     graphed = [r for r in decode_only if r["graph_replayed"]]
     eager = [r for r in decode_only if not r["graph_replayed"]]
     graph_errors = prediction_errors(graphed)
     # A host batch's attention hides under GPU work unless the engine had no GPU work and
     # waited for the batch.
-    batch_host_busy = sum(r["cpu_busy_seconds"] for r in host_batches)
+    batch_host_busy = sum(r["host_busy_seconds"] for r in host_batches)
     batch_waits = sum(r["host_batch_wait_seconds"] for r in host_batches)
     # Prefill iterations, split into the step's phases: what the launching thread spent
     # beyond the GPU's busy time shows where it waited.
@@ -108,7 +108,7 @@ def trace_statistics(trace: list[dict]) -> dict:
         "host_batch_median_relative_prediction_error": median(prediction_errors(host_batches)),
         "host_batch_hidden_share": max(0.0, 1 - batch_waits / batch_host_busy) if batch_host_busy else None,
         "median_host_batch_s": median([r["measured_seconds"] for r in host_batches]),
-        "median_host_batch_requests": median([r["cpu_decodes"] for r in host_batches]),
+        "median_host_batch_requests": median([r["host_decodes"] for r in host_batches]),
         "gpu_idle_fraction_two_batch": gpu_idle_two / sum(r["measured_seconds"] for r in two) if two else None,
         "gpu_idle_fraction_one_batch": (sum(idle(r) for r in one) / sum(r["measured_seconds"] for r in one)
                                         if one else None),

@@ -66,7 +66,7 @@ REFERENCE_POLICY = "gpu-only"
 RESERVED_ENGINE_OPTIONS = ("--policy", "--host", "--port")
 # Engine counters whose change over a load level goes into its summary.
 ENGINE_COUNTERS = ("iterations", "two_batch_iterations", "prefill_tokens", "gpu_decode_tokens",
-                   "cpu_decode_tokens", "preemptions", "blocks_swapped_out", "blocks_swapped_in")
+                   "host_decode_tokens", "preemptions", "blocks_swapped_out", "blocks_swapped_in")
 
 
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -179,10 +179,10 @@ def counters(server: ServerProcess) -> dict[str, float]:
 
 def engine_summary(before: dict[str, float], after: dict[str, float]) -> dict:
     delta = {name: after[name] - before[name] for name in ENGINE_COUNTERS}
-    decodes = delta["gpu_decode_tokens"] + delta["cpu_decode_tokens"]
+    decodes = delta["gpu_decode_tokens"] + delta["host_decode_tokens"]
     delta["two_batch_share"] = (delta["two_batch_iterations"] / delta["iterations"]
                                 if delta["iterations"] else None)
-    delta["cpu_decode_share"] = delta["cpu_decode_tokens"] / decodes if decodes else None
+    delta["host_decode_share"] = delta["host_decode_tokens"] / decodes if decodes else None
     return delta
 
 
@@ -389,7 +389,7 @@ def print_sweep_table(results: dict, cdf_rate: float | None) -> None:
               f"{str(summary['completed']) + '/' + str(summary['sent']):>11}{_ms(ptl['mean']):>10}"
               f"{_ms(ptl['p90']):>9}{_ms(ptl['p99']):>9}{_ms(summary['ttft']['mean']):>9}"
               f"{_ms(summary['tpot']['mean']):>8}{throughput:>8}"
-              f"{_share(engine['two_batch_share']):>8}{_share(engine['cpu_decode_share']):>8}"
+              f"{_share(engine['two_batch_share']):>8}{_share(engine['host_decode_share']):>8}"
               f"{spread:>8}")
     knee = results["knee"]
     if "reference_threshold_s" in knee:

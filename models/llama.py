@@ -186,9 +186,9 @@ class CausalLM(torch.nn.Module):
         input_ids int64 ``[T]`` (``meta.num_rows``: padding rows included); kv_caches one
         ``(k_cache, v_cache)`` per layer. Returns the final-normed hidden states ``[T, hidden]``.
         """
-        if meta.num_cpu_decodes:
+        if meta.num_host_decodes:
             raise ValueError(f"CausalLM.forward runs compute-device attention only, but the batch "
-                             f"has {meta.num_cpu_decodes} CPU decodes; the pipeline executor "
+                             f"has {meta.num_host_decodes} host decodes; the pipeline executor "
                              f"runs those stage by stage")
         if input_ids.shape != (meta.num_rows,):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the metadata "

@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
 
 class KVLocation(enum.Enum):
     GPU = "gpu"  # compute-device pool (the CPU itself when there is no CUDA)
-    CPU = "cpu"  # host pool, decoded by the host CPU
+    HOST = "host"  # host pool, decoded by the host CPU
 
 
 class Request:

@@ -79,12 +79,12 @@ class PagedKVHarness:
         return table
 
     def build_step(self, prefills: list[tuple[int, str, list[int]]],
-                   gpu_decodes: list[tuple[int, int]], cpu_decodes: list[tuple[int, int]] = ()
+                   gpu_decodes: list[tuple[int, int]], host_decodes: list[tuple[int, int]] = ()
                    ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Token ids int64 ``[T]`` and metadata for one step.
 
         prefills: ``(sequence_id, pool, prompt_ids)`` of new sequences (pool ``"device"`` or
-        ``"host"``); gpu_decodes / cpu_decodes: ``(sequence_id, token_id)`` of sequences in the
+        ``"host"``); gpu_decodes / host_decodes: ``(sequence_id, token_id)`` of sequences in the
         device / host pool.
         """
         token_ids, positions, device_slots = [], [], []
@@ -98,7 +98,7 @@ class PagedKVHarness:
             host_slots += [-1] * len(prompt) if pool == "device" else slots
             cu_seqlens.append(len(token_ids))
         cpu_slots = []
-        for decodes, pool in ((gpu_decodes, "device"), (cpu_decodes, "host")):
+        for decodes, pool in ((gpu_decodes, "device"), (host_decodes, "host")):
             for sequence_id, token_id in decodes:
                 sequence = self.sequences[sequence_id]
                 assert sequence.pool == pool, f"sequence {sequence_id} lives in {sequence.pool}"
@@ -113,27 +113,27 @@ class PagedKVHarness:
             return torch.tensor(values, dtype=dtype).to(self.device)
 
         gpu_ids = [sequence_id for sequence_id, _ in gpu_decodes]
-        cpu_ids = [sequence_id for sequence_id, _ in cpu_decodes]
+        cpu_ids = [sequence_id for sequence_id, _ in host_decodes]
         meta = AttentionMetadata(
             num_prefill_tokens=cu_seqlens[-1],
             num_gpu_decodes=len(gpu_decodes),
-            num_cpu_decodes=len(cpu_decodes),
+            num_host_decodes=len(host_decodes),
             positions=on_device(positions, torch.int64),
             slot_mapping=on_device(device_slots, torch.int64),
             prefill_cu_seqlens=on_device(cu_seqlens, torch.int32),
             max_prefill_len=max([len(prompt) for _, _, prompt in prefills], default=0),
             gpu_block_table=self._block_table(gpu_ids).to(self.device),
             gpu_seq_lens=on_device([self.sequences[i].length for i in gpu_ids], torch.int32),
-            cpu_block_table_host=self._block_table(cpu_ids),
-            cpu_seq_lens_host=torch.tensor([self.sequences[i].length for i in cpu_ids],
+            host_block_table=self._block_table(cpu_ids),
+            host_seq_lens=torch.tensor([self.sequences[i].length for i in cpu_ids],
                                            dtype=torch.int32),
-            cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=torch.int64),
+            host_slot_mapping=torch.tensor(cpu_slots, dtype=torch.int64),
             num_offloaded_prefill_tokens=sum(slot >= 0 for slot in host_slots),
             prefill_host_slot_mapping=on_device(host_slots, torch.int64),
         )
         return on_device(token_ids, torch.int64), meta
 
-    def run(self, model, prefills, gpu_decodes, cpu_decodes=()) -> torch.Tensor:
+    def run(self, model, prefills, gpu_decodes, host_decodes=()) -> torch.Tensor:
         """One step; float32 logits ``[T, vocab]`` of every token in step order.
 
         Without CPU decodes or offloaded prefills it calls ``model.forward``; otherwise it runs
@@ -141,9 +141,9 @@ class PagedKVHarness:
         to the host cache after ``pre_attention``, and the CPU-decode rows of the attention
         output are computed from the host cache.
         """
-        input_ids, meta = self.build_step(prefills, gpu_decodes, cpu_decodes)
+        input_ids, meta = self.build_step(prefills, gpu_decodes, host_decodes)
         with torch.inference_mode():
-            if meta.num_cpu_decodes == 0 and meta.num_offloaded_prefill_tokens == 0:
+            if meta.num_host_decodes == 0 and meta.num_offloaded_prefill_tokens == 0:
                 hidden = model(input_ids, meta, self.kv_caches())
             else:
                 hidden = self._run_stages(model, input_ids, meta)
@@ -160,13 +160,13 @@ class PagedKVHarness:
             torch.ops.neo.store_kv_cache(k[prefill].cpu(), v[prefill].cpu(), k_host, v_host,
                                          meta.prefill_host_slot_mapping.cpu())
             torch.ops.neo.store_kv_cache(k[gpu_end:].cpu(), v[gpu_end:].cpu(), k_host, v_host,
-                                         meta.cpu_slot_mapping_host)
+                                         meta.host_slot_mapping)
             attn_out = layer.attention(q, k, v, meta, k_cache, v_cache)
-            if meta.num_cpu_decodes:
-                cpu_rows = torch.empty_like(q[gpu_end:], device="cpu")
-                torch.ops.neo.paged_decode_attention(cpu_rows, q[gpu_end:].cpu(), k_host, v_host,
-                                                     meta.cpu_block_table_host,
-                                                     meta.cpu_seq_lens_host, layer.scale)
-                attn_out[gpu_end:] = cpu_rows.to(attn_out.device)
+            if meta.num_host_decodes:
+                host_rows = torch.empty_like(q[gpu_end:], device="cpu")
+                torch.ops.neo.paged_decode_attention(host_rows, q[gpu_end:].cpu(), k_host, v_host,
+                                                     meta.host_block_table,
+                                                     meta.host_seq_lens, layer.scale)
+                attn_out[gpu_end:] = host_rows.to(attn_out.device)
             hidden, residual = layer.post_attention(attn_out, residual, meta)
         return model.final_norm(hidden, residual)

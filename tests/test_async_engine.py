@@ -377,7 +377,7 @@ def test_stats_count_requests_by_pool(seed):
 
     stats = run(main)
     assert stats.running == len(prompts)
-    assert stats.running_in_cpu_pool >= 1 and stats.running_in_gpu_pool <= 1
-    assert stats.running_in_gpu_pool + stats.running_in_cpu_pool == len(prompts)
-    assert stats.gpu_blocks_total == 2 and stats.cpu_blocks_total == 64
-    assert stats.cpu_blocks_used >= 2 * stats.running_in_cpu_pool
+    assert stats.running_in_host_pool >= 1 and stats.running_in_gpu_pool <= 1
+    assert stats.running_in_gpu_pool + stats.running_in_host_pool == len(prompts)
+    assert stats.gpu_blocks_total == 2 and stats.host_blocks_total == 64
+    assert stats.host_blocks_used >= 2 * stats.running_in_host_pool

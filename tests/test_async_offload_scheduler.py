@@ -22,14 +22,14 @@ from neo.sched.scheduler_output import SchedulerOutput
 from test_block_manager import check_pools
 from test_offload_scheduler import random_requests, requests_of, synthetic_model
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
-def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int, perf_model: PerfModel,
+def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel,
                    max_num_seqs: int = 64, block_size: int = 16) -> AsyncOffloadScheduler:
     config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=2048, host_pipeline="async")
-    return AsyncOffloadScheduler(config, BlockManager(gpu_blocks, cpu_blocks, block_size), perf_model,
+    return AsyncOffloadScheduler(config, BlockManager(gpu_blocks, host_blocks, block_size), perf_model,
                                  num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
 
 
@@ -55,14 +55,14 @@ def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_itera
             for request in [r for r in requests if not r.is_finished and abort(r)]:
                 scheduler.abort(request)
         plan = scheduler.schedule()
-        launched = plan.host_batch.cpu_decodes if plan.host_batch is not None else []
+        launched = plan.host_batch.host_decodes if plan.host_batch is not None else []
         if launched:
             assert not in_flight, "a host batch was launched while one is in flight"
-            assert all(r.location is CPU and r.status is RequestStatus.RUNNING for r in launched)
+            assert all(r.location is HOST and r.status is RequestStatus.RUNNING for r in launched)
             assert all(len(r.block_table) * scheduler.block_manager.block_size >= r.num_tokens for r in launched)
             in_flight, remaining = launched, batch_iterations()
         flying = {id(r) for r in in_flight}
-        assert len(plan.sub_batches) <= 1 and not any(b.cpu_decodes for b in plan.sub_batches)
+        assert len(plan.sub_batches) <= 1 and not any(b.host_decodes for b in plan.sub_batches)
         assert not flying & {id(r) for r in plan.requests}, "a request in flight was planned"
         assert not flying & {id(r) for r in plan.finished}
         if on_plan is not None:
@@ -82,7 +82,7 @@ def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_itera
 
 
 def test_overflow_decodes_in_host_batches_beside_gpu_iterations():
-    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=PerfModel.zero())
+    scheduler = make_scheduler("neo", gpu_blocks=20, host_blocks=400, perf_model=PerfModel.zero())
     requests = requests_of(24, prompt_len=40, max_tokens=20)
     seen = {"launched": 0, "beside_gpu_work": 0}
 
@@ -93,7 +93,7 @@ def test_overflow_decodes_in_host_batches_beside_gpu_iterations():
     drive(scheduler, requests, on_plan=on_plan)
     assert seen["launched"] > 0 and seen["beside_gpu_work"] > 0
     assert all(r.is_finished and r.num_output_tokens == 20 for r in requests)
-    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(CPU) == 400
+    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(HOST) == 400
 
 
 def running_requests(scheduler, location: KVLocation, count: int, prompt_len: int = 8) -> list[Request]:
@@ -117,9 +117,9 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
     does not pay waits ``max_host_wait`` iterations, then runs anyway."""
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
-    scheduler = make_scheduler("neo", gpu_blocks=10, cpu_blocks=400, perf_model=model)  # full: no moves back
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)  # full: no moves back
     running_requests(scheduler, GPU, 10)
-    running_requests(scheduler, CPU, host_requests)
+    running_requests(scheduler, HOST, host_requests)
     launches = []
     for _ in range(scheduler.max_host_wait + 1):
         plan = scheduler.schedule()
@@ -128,7 +128,7 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
         for request in plan.requests:
             decode(scheduler, request)
         if plan.host_batch is not None:
-            assert len(plan.host_batch.cpu_decodes) == host_requests
+            assert len(plan.host_batch.host_decodes) == host_requests
             for request in scheduler.host_batch_done(host_seconds=None):
                 decode(scheduler, request)
     expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
@@ -157,11 +157,11 @@ def slow_host_batch_scheduler(host_requests: int) -> AsyncOffloadScheduler:
     and its host attention 1 ms per request."""
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
-    model.table.cpu_attention_seconds = [[1e-3 * requests] * len(model.table.cpu_attention_tokens[0])
-                                         for requests in model.table.cpu_attention_requests]
-    scheduler = make_scheduler("neo", gpu_blocks=10, cpu_blocks=400, perf_model=model)
+    model.table.host_attention_seconds = [[1e-3 * requests] * len(model.table.host_attention_tokens[0])
+                                         for requests in model.table.host_attention_requests]
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
     running_requests(scheduler, GPU, 10)
-    running_requests(scheduler, CPU, host_requests)
+    running_requests(scheduler, HOST, host_requests)
     return scheduler
 
 
@@ -204,15 +204,15 @@ def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_sl
 def test_without_gpu_work_a_host_batch_runs_whatever_it_pays():
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
-    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=model)
-    running_requests(scheduler, CPU, 1)
+    scheduler = make_scheduler("neo", gpu_blocks=20, host_blocks=400, perf_model=model)
+    running_requests(scheduler, HOST, 1)
     scheduler.block_manager.pools[GPU].allocate(20)  # no GPU room: the request stays on the host
     plan = scheduler.schedule()
     assert not plan.sub_batches and plan.host_batch is not None
 
 
 def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
-    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=100, perf_model=PerfModel.zero())
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, host_blocks=100, perf_model=PerfModel.zero())
     requests = requests_of(3, prompt_len=20, max_tokens=10)
     for request in requests:
         scheduler.add(request)
@@ -220,12 +220,12 @@ def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
     for request in prefill.requests:
         decode(scheduler, request)
     plan = scheduler.schedule()
-    assert plan.host_batch is not None and len(plan.host_batch.cpu_decodes) == 3
+    assert plan.host_batch is not None and len(plan.host_batch.host_decodes) == 3
     victim = requests[1]
     blocks = list(victim.block_table)
     scheduler.abort(victim, "abort")
     assert victim.is_finished and victim.block_table == blocks  # still held by the batch
-    assert scheduler.block_manager.num_free(CPU) == 100 - sum(len(r.block_table) for r in requests)
+    assert scheduler.block_manager.num_free(HOST) == 100 - sum(len(r.block_table) for r in requests)
     done = scheduler.host_batch_done(host_seconds=0.01)
     assert done == [requests[0], requests[2]]
     assert victim.block_table == [] and victim not in scheduler.running
@@ -233,7 +233,7 @@ def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
 
 
 def test_the_measured_host_time_of_each_batch_calibrates_the_host_estimates():
-    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=100,
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, host_blocks=100,
                                perf_model=synthetic_model(1e-5, 1e-8, 1e-5))
     requests = requests_of(4, prompt_len=20, max_tokens=10)
     for request in requests:
@@ -249,15 +249,15 @@ def test_the_measured_host_time_of_each_batch_calibrates_the_host_estimates():
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
-       gpu_blocks=st.integers(4, 40), cpu_blocks=st.integers(8, 80),
+       gpu_blocks=st.integers(4, 40), host_blocks=st.integers(8, 80),
        host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
-def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, gpu_blocks, cpu_blocks, host_speed):
+def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, gpu_blocks, host_blocks, host_speed):
     rng = random.Random(seed)
     if policy == "full-offload":
         gpu_blocks = 0
     model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
-    scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16), block_size=8)
-    requests = random_requests(rng, max(gpu_blocks, cpu_blocks) * 8)
+    scheduler = make_scheduler(policy, gpu_blocks, host_blocks, model, max_num_seqs=rng.randint(1, 16), block_size=8)
+    requests = random_requests(rng, max(gpu_blocks, host_blocks) * 8)
     waited = {}  # request -> iterations since its last token, while prefilled
 
     def on_plan(plan, in_flight):
@@ -270,5 +270,5 @@ def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, g
     drive(scheduler, requests, batch_iterations=lambda: rng.randint(1, 5), on_plan=on_plan,
           abort=lambda request: rng.random() < 0.01)
     assert scheduler.block_manager.num_free(GPU) == gpu_blocks
-    assert scheduler.block_manager.num_free(CPU) == cpu_blocks
+    assert scheduler.block_manager.num_free(HOST) == host_blocks
     assert all(r.is_finished for r in requests)

@@ -18,7 +18,7 @@ from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
 from neo.sched.scheduler import Scheduler
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
 def make_request(index: int, prompt_len: int, max_tokens: int) -> Request:
@@ -26,7 +26,7 @@ def make_request(index: int, prompt_len: int, max_tokens: int) -> Request:
 
 
 def check_pools(manager: BlockManager, requests: list[Request]) -> None:
-    owned = {GPU: [], CPU: []}
+    owned = {GPU: [], HOST: []}
     for request in requests:
         if request.block_table:
             owned[request.location] += request.block_table
@@ -63,7 +63,7 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: 
 
 
 def test_pool_allocate_free_roundtrip():
-    manager = BlockManager(num_gpu_blocks=8, num_cpu_blocks=4, block_size=16)
+    manager = BlockManager(num_gpu_blocks=8, num_host_blocks=4, block_size=16)
     request = make_request(0, prompt_len=33, max_tokens=1)
     manager.allocate(request, GPU)
     assert len(request.block_table) == 3 and manager.num_free(GPU) == 5
@@ -73,21 +73,21 @@ def test_pool_allocate_free_roundtrip():
     request.append_token(1)  # 49 tokens: a 4th block
     manager.append_slot(request)
     assert len(request.block_table) == 4
-    moves = manager.move(request, CPU)
-    assert len(moves) == 4 and manager.num_free(GPU) == 8 and manager.num_free(CPU) == 0
+    moves = manager.move(request, HOST)
+    assert len(moves) == 4 and manager.num_free(GPU) == 8 and manager.num_free(HOST) == 0
     manager.free(request)
-    assert manager.num_free(CPU) == 4 and request.location is None
+    assert manager.num_free(HOST) == 4 and request.location is None
 
 
 def test_pool_refuses_overdraw():
-    manager = BlockManager(num_gpu_blocks=2, num_cpu_blocks=0, block_size=8)
+    manager = BlockManager(num_gpu_blocks=2, num_host_blocks=0, block_size=8)
     with pytest.raises(OutOfBlocksError, match="gpu KV pool: 3 blocks requested, 2 free"):
         manager.allocate(make_request(0, prompt_len=17, max_tokens=1), GPU)
 
 
 def test_preemption_swaps_and_returns_everything():
     config = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
-    manager = BlockManager(num_gpu_blocks=12, num_cpu_blocks=64, block_size=8)
+    manager = BlockManager(num_gpu_blocks=12, num_host_blocks=64, block_size=8)
     scheduler = Scheduler(config, manager)
     requests = [make_request(i, prompt_len=10 + i, max_tokens=30) for i in range(6)]
     for request in requests:
@@ -95,13 +95,13 @@ def test_preemption_swaps_and_returns_everything():
     run_to_completion(scheduler, requests)
     assert scheduler.num_preemptions > 0, "the pool was meant to be too small for all requests"
     assert all(r.num_output_tokens == 30 for r in requests)
-    assert manager.num_free(GPU) == 12 and manager.num_free(CPU) == 64
+    assert manager.num_free(GPU) == 12 and manager.num_free(HOST) == 64
 
 
 def test_preemption_by_recompute_when_host_pool_is_full():
     config = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=256,
                           cpu_kv_cache_gib=0)
-    manager = BlockManager(num_gpu_blocks=10, num_cpu_blocks=0, block_size=8)
+    manager = BlockManager(num_gpu_blocks=10, num_host_blocks=0, block_size=8)
     scheduler = Scheduler(config, manager)
     requests = [make_request(i, prompt_len=12, max_tokens=25) for i in range(5)]
     for request in requests:
@@ -116,16 +116,16 @@ def test_preemption_by_recompute_when_host_pool_is_full():
     seed=st.integers(0, 2**31 - 1),
     num_requests=st.integers(1, 24),
     num_gpu_blocks=st.integers(8, 64),
-    num_cpu_blocks=st.integers(0, 64),
+    num_host_blocks=st.integers(0, 64),
     block_size=st.sampled_from([8, 16]),
     max_num_seqs=st.integers(1, 12),
 )
-def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num_cpu_blocks,
+def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num_host_blocks,
                                          block_size, max_num_seqs):
     rng = random.Random(seed)
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=128)
-    manager = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size)
+    manager = BlockManager(num_gpu_blocks, num_host_blocks, block_size)
     scheduler = Scheduler(config, manager)
     # Prompts fit the GPU pool (the engine rejects the others up front); outputs may outgrow it.
     capacity = (num_gpu_blocks - scheduler.watermark_blocks) * block_size
@@ -155,7 +155,7 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
         steps += 1
         assert steps < 20_000
     assert manager.num_free(GPU) == num_gpu_blocks
-    assert manager.num_free(CPU) == num_cpu_blocks
+    assert manager.num_free(HOST) == num_host_blocks
     for request in requests:
         assert request.is_finished
         if request.finish_reason == "length" and request.num_output_tokens < request.sampling_params.max_tokens:
@@ -169,7 +169,7 @@ def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_
     """No host pool: preemption drops KV for recompute, which needs prompt + output in one
     iteration's token budget. A victim past that budget ends instead of blocking the queue."""
     config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=24)
-    manager = BlockManager(num_gpu_blocks=10, num_cpu_blocks=0, block_size=8)
+    manager = BlockManager(num_gpu_blocks=10, num_host_blocks=0, block_size=8)
     scheduler = Scheduler(config, manager)
     first, second = make_request(0, prompt_len=8, max_tokens=60), make_request(1, prompt_len=20, max_tokens=60)
     later = make_request(2, prompt_len=20, max_tokens=10)
@@ -189,7 +189,7 @@ def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_
 
 def test_a_prompt_that_needs_the_whole_pool_is_admitted_when_alone():
     config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=256)
-    manager = BlockManager(num_gpu_blocks=3, num_cpu_blocks=0, block_size=8)
+    manager = BlockManager(num_gpu_blocks=3, num_host_blocks=0, block_size=8)
     scheduler = Scheduler(config, manager)
     requests = [make_request(i, prompt_len=23, max_tokens=1) for i in range(2)]
     for request in requests:

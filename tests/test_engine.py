@@ -53,7 +53,7 @@ def test_greedy_equals_transformers(setting, pad_gemm_rows, expected):
     if setting == "gpu-only-preempting":
         assert metrics["preemptions"] > 0 and metrics["blocks_swapped_in"] > 0
     if policy in ("neo", "full-offload"):
-        assert metrics["cpu_decode_tokens"] > 0
+        assert metrics["host_decode_tokens"] > 0
         if host_pipeline == "async":
             assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
         else:
@@ -79,7 +79,7 @@ def test_requests_arriving_one_by_one(policy, host_pipeline, expected):
                     if output.finished:
                         results[int(output.request_id)] = output.outputs[0].token_ids
         assert [results[i] for i in range(len(PROMPTS))] == expected
-        for location in (KVLocation.GPU, KVLocation.CPU):
+        for location in (KVLocation.GPU, KVLocation.HOST):
             pool = engine.block_manager.pools[location]
             assert pool.num_free == pool.num_blocks, f"{location.value} blocks leaked"
     finally:
@@ -206,13 +206,13 @@ def test_worker_failure_reaches_the_caller_and_frees_blocks(host_pipeline):
         engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
         engine.step()  # prefill
         # Corrupt one layer's host cache view: the worker's kernel rejects it mid-iteration.
-        k_cache, v_cache = engine.kv_cache.cpu_layers[2]
-        engine.kv_cache.cpu_layers[2] = (k_cache.to(torch.float16), v_cache)
+        k_cache, v_cache = engine.kv_cache.host_layers[2]
+        engine.kv_cache.host_layers[2] = (k_cache.to(torch.float16), v_cache)
         with pytest.raises(ValueError, match="dtype"):
             engine.step()
-        engine.kv_cache.cpu_layers[2] = (k_cache, v_cache)
+        engine.kv_cache.host_layers[2] = (k_cache, v_cache)
         assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks
+        assert engine.block_manager.num_free(KVLocation.HOST) == engine.layout.num_host_blocks
         # The engine serves the next request normally.
         survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
         while engine.has_unfinished_requests():
@@ -238,15 +238,15 @@ def test_trace_records_every_iteration_and_host_batch(tmp_path, host_pipeline):
     assert len(host_batches) == metrics["host_batches"]
     assert (len(host_batches) > 0) == (host_pipeline == "async")
     assert all(r["host_batch_wait_seconds"] >= 0 for r in host_batches)
-    assert sum(r["cpu_decodes"] for r in records) == metrics["cpu_decode_tokens"] > 0
+    assert sum(r["host_decodes"] for r in records) == metrics["host_decode_tokens"] > 0
     assert sum(r["num_sub_batches"] == 2 for r in records) == metrics["two_batch_iterations"]
     assert sum(r["prefill_tokens"] for r in records) == metrics["prefill_tokens"]
     for record in records:
-        assert record["measured_seconds"] > 0 and record["cpu_busy_seconds"] >= 0
+        assert record["measured_seconds"] > 0 and record["host_busy_seconds"] >= 0
         assert 0 <= record["launch_seconds"] + record["queue_seconds"] <= record["measured_seconds"]
         assert record["device_segments_freed"] is None  # counted on CUDA only
-        assert record["predicted_seconds"] == 0.0 and record["predicted_cpu_seconds"] == 0.0  # zero model
-        assert record["cpu_busy_seconds"] > 0 or not record["cpu_decodes"]
+        assert record["predicted_seconds"] == 0.0 and record["predicted_host_seconds"] == 0.0  # zero model
+        assert record["host_busy_seconds"] > 0 or not record["host_decodes"]
 
 
 @pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
@@ -258,8 +258,8 @@ def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path, h
     table = PerfTable(linear_tokens=tokens, linear_seconds=[1e-3 + 1e-6 * t for t in tokens],
                       gpu_attention_tokens=tokens, gpu_attention_seconds=[1e-7 * t for t in tokens],
                       prefill_lengths=tokens, prefill_seconds=[1e-7 * t for t in tokens],
-                      cpu_attention_requests=[1, 8], cpu_attention_tokens=[tokens, tokens],
-                      cpu_attention_seconds=[[1e-4 + 1e-6 * t for t in tokens]] * 2)
+                      host_attention_requests=[1, 8], host_attention_tokens=[tokens, tokens],
+                      host_attention_seconds=[[1e-4 + 1e-6 * t for t in tokens]] * 2)
     table.save(str(tmp_path / "table.json"))
     path = tmp_path / "trace.json"
     engine = LLMEngine(EngineConfig(model="neo-tiny", policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(10),
@@ -274,8 +274,8 @@ def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path, h
     finally:
         engine.close()
     records = json.loads(path.read_text())
-    decode_only = [(r["profiled_cpu_seconds"], r["cpu_busy_seconds"]) for r in records
-                   if r["cpu_decodes"] and not r["prefill_tokens"]]
+    decode_only = [(r["profiled_host_seconds"], r["host_busy_seconds"]) for r in records
+                   if r["host_decodes"] and not r["prefill_tokens"]]
     assert calibration.num_samples == min(len(decode_only), 16) > 0
     assert calibration.samples == decode_only[-calibration.num_samples:]
     profiled, measured = map(sum, zip(*calibration.samples))

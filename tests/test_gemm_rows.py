@@ -40,7 +40,7 @@ def _request(name: str, length: int, location: KVLocation, prefill: bool) -> Req
 def test_padded_batch_inputs_add_rows_that_store_nothing():
     batch = SubBatch(prefills=[_request("p", 13, KVLocation.GPU, prefill=True)],
                      gpu_decodes=[_request("g", 6, KVLocation.GPU, prefill=False)],
-                     cpu_decodes=[_request("c", 9, KVLocation.CPU, prefill=False)])
+                     host_decodes=[_request("c", 9, KVLocation.HOST, prefill=False)])
     plain = build_batch_inputs(batch, 4, torch.device("cpu"))
     padded = build_batch_inputs(batch, 4, torch.device("cpu"), pad_rows=True)
     meta = padded.metadata
@@ -91,6 +91,6 @@ def test_warm_up_runs_every_gemm_shape_serving_meets(policy, host_pipeline):
         llm.close()
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
     if policy == "neo":
-        assert metrics["cpu_decode_tokens"] > 0
+        assert metrics["host_decode_tokens"] > 0
     assert len(serving.shapes) > 4
     assert serving.shapes <= warmed.shapes, sorted(serving.shapes - warmed.shapes)

@@ -67,7 +67,7 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
         assert metrics["blocks_swapped_out"] > 0 and metrics["blocks_swapped_in"] > 0
     if SETTINGS[setting]["policy"] == "gpu-only":
         return
-    assert metrics["cpu_decode_tokens"] > 0
+    assert metrics["host_decode_tokens"] > 0
     if SETTINGS[setting].get("host_pipeline") == "async":
         assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
         if cuda_graphs:  # host batches replayed pipeline graphs of one sub-batch
@@ -127,7 +127,7 @@ def test_policies_agree_on_logits_in_bf16():
     reference, _ = run_forced("gpu-only", 1024, script, steps)
     for policy in ("neo", "full-offload"):
         logits, metrics = run_forced(policy, 10, script, steps)
-        assert metrics["cpu_decode_tokens"] > 0
+        assert metrics["host_decode_tokens"] > 0
         assert logits.keys() == reference.keys()
         for key, row in logits.items():
             expected_row = reference[key]
@@ -157,14 +157,14 @@ def test_gpu_store_kernel_writes_the_page_locked_host_pool_in_place(dtype):
     through ``cpu_layers_for_device``: CUDA tensors over the page-locked host pool's own bytes.
     The host pool then holds what the reference store writes, in that layer only."""
     layout = CacheLayout(num_layers=2, num_kv_heads=2, block_size=16, head_dim=64, dtype=dtype,
-                         num_gpu_blocks=4, num_cpu_blocks=8)
+                         num_gpu_blocks=4, num_host_blocks=8)
     cache = KVCache(layout, torch.device("cuda"))
     try:
         generator = torch.Generator().manual_seed(0)
         key, value = (torch.randn(20, 2, 64, generator=generator).to(dtype) for _ in range(2))
         slots = torch.randperm(8 * 16, generator=generator)[:20]
-        device_k, device_v = cache.cpu_layers_for_device[1]
-        host_k, host_v = cache.cpu_layers[1]
+        device_k, device_v = cache.host_layers_for_device[1]
+        host_k, host_v = cache.host_layers[1]
         assert device_k.is_cuda and device_k.data_ptr() == host_k.data_ptr()
         assert device_v.is_cuda and device_v.data_ptr() == host_v.data_ptr()
         torch.ops.neo.store_kv_cache(key.cuda(), value.cuda(), device_k, device_v, slots.cuda())
@@ -172,7 +172,7 @@ def test_gpu_store_kernel_writes_the_page_locked_host_pool_in_place(dtype):
         expected_k, expected_v = torch.zeros_like(host_k), torch.zeros_like(host_v)
         reference.store_kv_cache(key, value, expected_k, expected_v, slots)
         assert torch.equal(host_k, expected_k) and torch.equal(host_v, expected_v)
-        assert not cache.cpu_layers[0][0].any() and not cache.cpu_layers[0][1].any()
+        assert not cache.host_layers[0][0].any() and not cache.host_layers[0][1].any()
     finally:
         cache.close()
 
@@ -201,26 +201,26 @@ def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipe
     try:
         engine.add_request(PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))
         engine.step()  # prefill, its KV copied to the host pool
-        while engine.metrics.cpu_decode_tokens == 0:  # a decode on the host
+        while engine.metrics.host_decode_tokens == 0:  # a decode on the host
             engine.step()
         if host_pipeline == "lockstep":  # replayed from a pipeline graph when graphs are on
             assert engine.runner.replayed_graph == cuda_graphs
         # The host metadata names a block beyond the host pool: the host kernel rejects it in
         # every layer's host function, inside the replayed graph or the queued iteration.
-        load = neo.executor._SlotBuffers.load
+        load = neo.executor._HostRowBuffers.load
 
         def load_corrupted(slot, meta):
             load(slot, meta)
-            if meta.num_cpu_decodes:
-                slot.block_table[0, 0] = engine.layout.num_cpu_blocks + 7
+            if meta.num_host_decodes:
+                slot.block_table[0, 0] = engine.layout.num_host_blocks + 7
 
-        monkeypatch.setattr(neo.executor._SlotBuffers, "load", load_corrupted)
+        monkeypatch.setattr(neo.executor._HostRowBuffers, "load", load_corrupted)
         with pytest.raises(RuntimeError, match="host decode attention failed: .*block id"):
             while engine.has_unfinished_requests():  # the failure surfaces when its batch is collected
                 engine.step()
         monkeypatch.undo()
         assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_free(KVLocation.CPU) == engine.layout.num_cpu_blocks
+        assert engine.block_manager.num_free(KVLocation.HOST) == engine.layout.num_host_blocks
         survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
         while engine.has_unfinished_requests():
             engine.step()

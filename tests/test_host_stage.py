@@ -10,7 +10,7 @@ functions, which only compiled kernels may do).
 import pytest
 import torch
 
-from neo.runner.executor import FAILURE_MESSAGE_BYTES, _SlotBuffers, host_stage_available
+from neo.runner.executor import FAILURE_MESSAGE_BYTES, _HostRowBuffers, host_stage_available
 from neo.ops import dispatched, reference
 
 from conftest import assert_close, random_paged_kv, random_tensor
@@ -44,7 +44,7 @@ class Setup:
         self.lengths = list(lengths)
         self.generator = generator
         self.copy_stream = torch.cuda.Stream()
-        self.slot = _SlotBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        self.slot = _HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
         self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.seconds = torch.zeros(1, dtype=torch.float64)
         stream = self.copy_stream

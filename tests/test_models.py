@@ -142,15 +142,15 @@ def run_schedule(model, hf_model, *, steps=STEPS, host_sequences=(), seed=0) -> 
     for step, (prefilled, decoded) in enumerate(steps):
         prefills = [(i, "host" if i in host_sequences else "device", prompts[i]) for i in prefilled]
         gpu_decodes = [(i, full[i][fed[i]]) for i in decoded if i not in host_sequences]
-        cpu_decodes = [(i, full[i][fed[i]]) for i in decoded if i in host_sequences]
+        host_decodes = [(i, full[i][fed[i]]) for i in decoded if i in host_sequences]
         expected = [expected_by_sequence[i][:len(prompts[i])] for i in prefilled]
         expected += [expected_by_sequence[i][fed[i]:fed[i] + 1]
-                     for i, _ in gpu_decodes + cpu_decodes]
+                     for i, _ in gpu_decodes + host_decodes]
         for i in prefilled:
             fed[i] = len(prompts[i])
         for i in decoded:
             fed[i] += 1
-        logits = harness.run(model, prefills, gpu_decodes, cpu_decodes)
+        logits = harness.run(model, prefills, gpu_decodes, host_decodes)
         assert_logits_close(logits, torch.cat(expected), f"step {step}")
 
 
@@ -168,14 +168,14 @@ def test_tied_embeddings_share_one_tensor(tmp_path):
     assert model.lm_head_weight is model.embed_tokens_weight
 
 
-def test_cpu_decode_rows_are_left_to_the_caller(tmp_path):
+def test_host_decode_rows_are_left_to_the_caller(tmp_path):
     """Offloaded prefills and CPU decodes, run stage by stage, still match transformers."""
     hf_model = save_variant("llama3.1", tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
     run_schedule(model, hf_model, host_sequences={1, 3}, seed=1)
 
 
-def test_forward_refuses_cpu_decodes(tmp_path):
+def test_forward_refuses_host_decodes(tmp_path):
     save_variant("llama2", tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
     harness = PagedKVHarness(model.config, num_blocks=8, block_size=BLOCK_SIZE,

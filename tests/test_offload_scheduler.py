@@ -16,7 +16,7 @@ from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 from test_block_manager import check_pools
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
 def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token: float) -> PerfModel:
@@ -26,17 +26,17 @@ def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token
         linear_tokens=tokens, linear_seconds=[1e-3 + linear_per_token * t for t in tokens],
         gpu_attention_tokens=tokens, gpu_attention_seconds=[gpu_per_token * t for t in tokens],
         prefill_lengths=tokens, prefill_seconds=[gpu_per_token * t * t / 64 for t in tokens],
-        cpu_attention_requests=[1, 512], cpu_attention_tokens=[tokens, tokens],
-        cpu_attention_seconds=[[cpu_per_token * t for t in tokens] for _ in range(2)],
+        host_attention_requests=[1, 512], host_attention_tokens=[tokens, tokens],
+        host_attention_seconds=[[cpu_per_token * t for t in tokens] for _ in range(2)],
     ))
 
 
-def make_scheduler(policy: str, gpu_blocks: int, cpu_blocks: int, perf_model: PerfModel,
+def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel,
                    max_num_seqs: int = 64, block_size: int = 16, host_prior: float = 1.0) -> OffloadScheduler:
     """By default the profile is taken as exact (calibration prior 1, nothing observed)."""
     config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=2048)
-    manager = BlockManager(gpu_blocks, cpu_blocks, block_size)
+    manager = BlockManager(gpu_blocks, host_blocks, block_size)
     return OffloadScheduler(config, manager, perf_model, num_layers=4,
                             host_calibration=HostTimeCalibration(prior=host_prior))
 
@@ -59,11 +59,11 @@ def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, ma
         assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
         assert len(plan.sub_batches) <= 2
         for batch in plan.sub_batches:
-            for request in batch.prefills + batch.gpu_decodes + batch.cpu_decodes:
+            for request in batch.prefills + batch.gpu_decodes + batch.host_decodes:
                 assert request.status is RequestStatus.RUNNING
                 assert len(request.block_table) * scheduler.block_manager.block_size >= request.num_tokens
             assert all(r.location is GPU for r in batch.gpu_decodes)
-            assert all(r.location is CPU for r in batch.cpu_decodes)
+            assert all(r.location is HOST for r in batch.host_decodes)
         if len(plan.sub_batches) == 2:
             assert not plan.sub_batches[1].prefills and not plan.sub_batches[1].gpu_decodes
         if on_plan is not None:
@@ -89,25 +89,25 @@ def requests_of(count: int, prompt_len: int, max_tokens: int) -> list[Request]:
 
 
 def test_overflow_goes_to_host_and_runs_two_sub_batches():
-    scheduler = make_scheduler("neo", gpu_blocks=20, cpu_blocks=400, perf_model=PerfModel.zero())
+    scheduler = make_scheduler("neo", gpu_blocks=20, host_blocks=400, perf_model=PerfModel.zero())
     requests = requests_of(24, prompt_len=40, max_tokens=20)
     seen = {"two": 0, "host_in_batch0": 0}
 
     def on_plan(plan):
         if len(plan.sub_batches) == 2:
             seen["two"] += 1
-            seen["host_in_batch0"] += len(plan.sub_batches[0].cpu_decodes)
+            seen["host_in_batch0"] += len(plan.sub_batches[0].host_decodes)
 
     drive(scheduler, requests, on_plan)
     assert seen["two"] > 0 and seen["host_in_batch0"] > 0
-    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(CPU) == 400
+    assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(HOST) == 400
 
 
 def test_slow_host_falls_back_to_gpu_only_but_never_starves():
     # Host attention far slower than anything on the GPU: two sub-batches never pay. Requests
     # evicted to the host come back to the GPU as it frees (no new request overtakes them);
     # one too large for the GPU pool decodes on the host at least every max_host_wait iterations.
-    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=400,
+    scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=400,
                                perf_model=synthetic_model(1e-6, 1e-8, 1e-2))
     requests = requests_of(16, prompt_len=40, max_tokens=30)
     huge = Request("huge", [1] * 490, SamplingParams(max_tokens=30))  # never fits the 480-token GPU pool
@@ -121,9 +121,9 @@ def test_slow_host_falls_back_to_gpu_only_but_never_starves():
                 progress[id(request)] = 0 if id(request) in decoded else progress.get(id(request), 0) + 1
         assert max(progress.values(), default=0) <= 2 * 30, "a request starved"
         if any(batch.prefills or batch.gpu_decodes for batch in plan.sub_batches):
-            host_decodes_beside_gpu_work.append(sum(len(b.cpu_decodes) for b in plan.sub_batches))
+            host_decodes_beside_gpu_work.append(sum(len(b.host_decodes) for b in plan.sub_batches))
         if huge.is_prefilled and not huge.is_finished:
-            assert huge.location is CPU
+            assert huge.location is HOST
 
     drive(scheduler, requests + [huge], on_plan)
     assert host_decodes_beside_gpu_work
@@ -137,32 +137,32 @@ def test_slow_host_admits_no_new_request_to_the_host_pool():
     # Where host decodes never pay, requests wait for GPU room as under gpu-only instead of
     # being prefilled into the host pool (where they could only decode slowly). GPU requests
     # evicted when GPU blocks run out still move to the host pool.
-    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=400,
+    scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=400,
                                perf_model=synthetic_model(1e-6, 1e-8, 1e-2))
     requests = requests_of(16, prompt_len=40, max_tokens=30)
     host_prefills = []
 
     def on_plan(plan):
         if any(r.location is GPU for r in scheduler.running):
-            host_prefills.extend(r for batch in plan.sub_batches for r in batch.prefills if r.location is CPU)
+            host_prefills.extend(r for batch in plan.sub_batches for r in batch.prefills if r.location is HOST)
 
     drive(scheduler, requests, on_plan)
     assert not host_prefills
 
 
 def test_fast_host_admits_overflow_to_the_host_pool():
-    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800,
+    scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=800,
                                perf_model=synthetic_model(2e-5, 1e-8, 2e-7), max_num_seqs=128)
     requests = requests_of(64, prompt_len=100, max_tokens=40)
     host_prefills = []
     drive(scheduler, requests,
-          lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is CPU))
+          lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is HOST))
     assert len(host_prefills) > 16
 
 
 def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
     model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=2e-7)
-    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
+    scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128)
     requests = requests_of(64, prompt_len=100, max_tokens=40)
     checked = []
 
@@ -170,14 +170,14 @@ def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
         if len(plan.sub_batches) != 2:
             return
         batch0, batch1 = plan.sub_batches
-        host0 = model.cpu_attention(len(batch0.cpu_decodes), sum(r.num_tokens for r in batch0.cpu_decodes))
-        host1 = model.cpu_attention(len(batch1.cpu_decodes), sum(r.num_tokens for r in batch1.cpu_decodes))
+        host0 = model.host_attention(len(batch0.host_decodes), sum(r.num_tokens for r in batch0.host_decodes))
+        host1 = model.host_attention(len(batch1.host_decodes), sum(r.num_tokens for r in batch1.host_decodes))
         linear0 = model.linear(batch0.num_tokens)
         gpu_only = SubBatch(batch0.prefills, batch0.gpu_decodes)
         if gpu_only:  # the two-sub-batch plan beats batch 0 alone by estimated tokens/s
             alone = scheduler._sequential_time(gpu_only)
             assert len(plan.requests) / plan.predicted_time >= len(gpu_only.requests) / alone
-        checked.append((host0 + host1) / (linear0 + model.linear(len(batch1.cpu_decodes))))
+        checked.append((host0 + host1) / (linear0 + model.linear(len(batch1.host_decodes))))
 
     drive(scheduler, requests, on_plan)
     assert len(checked) > 5
@@ -214,19 +214,19 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
     # the measured host speed makes that pay.
     model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=4e-6)
     requests = requests_of(96, prompt_len=100, max_tokens=40)
-    trusting = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128)
+    trusting = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128)
     host_prefills = []
     drive(trusting, requests_of(96, prompt_len=100, max_tokens=40), arrivals_per_step=2,
-          on_plan=lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is CPU))
+          on_plan=lambda plan: host_prefills.extend(r for b in plan.sub_batches for r in b.prefills if r.location is HOST))
     assert not host_prefills
 
-    scheduler = make_scheduler("neo", gpu_blocks=30, cpu_blocks=800, perf_model=model, max_num_seqs=128,
+    scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128,
                                host_prior=0.5)
     before, after = [], []
     measured_iterations = []
 
     def on_plan(plan):  # what the engine does after executing the plan
-        host_bound = [r for b in plan.sub_batches for r in b.prefills if r.location is CPU]
+        host_bound = [r for b in plan.sub_batches for r in b.prefills if r.location is HOST]
         (after if len(measured_iterations) > 1 else before).extend(host_bound)
         scheduler.observe(plan, measured_over_profiled * (plan.profiled_host_time or 0.0), plan.predicted_time)
         if scheduler.host_calibration.num_samples:
@@ -259,7 +259,7 @@ def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
     if case == "prefill":
         scheduler.add(Request("late", [1] * 20, SamplingParams(max_tokens=2)))
     if case == "swap":  # the newest request goes to the host pool and comes back this iteration
-        scheduler.block_manager.move(first[1], CPU)
+        scheduler.block_manager.move(first[1], HOST)
     plan = scheduler.schedule()
     decodes = plan.sub_batches[0].gpu_decodes
     assert len(plan.sub_batches) == 1 and len(decodes) == 2
@@ -282,34 +282,34 @@ def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhe
     manager = BlockManager(64, 64, 16)
     scheduler = OffloadScheduler(config, manager, model, num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
     gpu, host0, host1 = requests_of(3, prompt_len=40, max_tokens=10)
-    for request, location in ((gpu, GPU), (host0, CPU), (host1, CPU)):
+    for request, location in ((gpu, GPU), (host0, HOST), (host1, HOST)):
         manager.allocate(request, location)
         request.num_cached_tokens = request.num_tokens - 1
-    batch0 = SubBatch(gpu_decodes=[gpu], cpu_decodes=[host0])
+    batch0 = SubBatch(gpu_decodes=[gpu], host_decodes=[host0])
     if case == "prefill":
         late = Request("late", [1] * 20, SamplingParams(max_tokens=2))
         manager.allocate(late, GPU)
         batch0.prefills.append(late)
-    plan = SchedulerOutput(sub_batches=[batch0, SubBatch(cpu_decodes=[host1])],
+    plan = SchedulerOutput(sub_batches=[batch0, SubBatch(host_decodes=[host1])],
                            swap_in=[(0, 1)] if case == "swap" else [])
     seconds, host_seconds = scheduler._estimate(plan)
     overhead = -0.002 if case == "graph" else 0.05
     work0 = scheduler._gpu_work(batch0)
-    host = model.cpu_attention(1, 40)
+    host = model.host_attention(1, 40)
     assert host_seconds == pytest.approx(2 * host)
     assert seconds == pytest.approx(model.two_batch_time(model.linear(work0.linear_tokens + 1), work0.attention_seconds,
                                                          model.linear(1), host, host, pipeline_overhead=overhead))
 
 
 def test_full_offload_decodes_every_host_request_every_iteration():
-    scheduler = make_scheduler("full-offload", gpu_blocks=0, cpu_blocks=400,
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, host_blocks=400,
                                perf_model=synthetic_model(1e-5, 1e-8, 1e-6))
     requests = requests_of(12, prompt_len=30, max_tokens=10)
 
     def on_plan(plan):
         running = [r for r in scheduler.running if r.is_prefilled and not r.is_finished]
-        decoded = [r for batch in plan.sub_batches for r in batch.cpu_decodes]
-        assert all(r.location is CPU for r in plan.requests)
+        decoded = [r for batch in plan.sub_batches for r in batch.host_decodes]
+        assert all(r.location is HOST for r in plan.requests)
         assert set(map(id, decoded)) == set(map(id, running))
 
     drive(scheduler, requests, on_plan)
@@ -317,17 +317,17 @@ def test_full_offload_decodes_every_host_request_every_iteration():
 
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
-       gpu_blocks=st.integers(4, 40), cpu_blocks=st.integers(8, 80),
+       gpu_blocks=st.integers(4, 40), host_blocks=st.integers(8, 80),
        host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
-def test_random_mixes_never_leak(seed, policy, gpu_blocks, cpu_blocks, host_speed):
+def test_random_mixes_never_leak(seed, policy, gpu_blocks, host_blocks, host_speed):
     rng = random.Random(seed)
     if policy == "full-offload":
         gpu_blocks = 0
     model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
-    scheduler = make_scheduler(policy, gpu_blocks, cpu_blocks, model, max_num_seqs=rng.randint(1, 16),
+    scheduler = make_scheduler(policy, gpu_blocks, host_blocks, model, max_num_seqs=rng.randint(1, 16),
                                block_size=8)
-    requests = random_requests(rng, max(gpu_blocks, cpu_blocks) * 8)
+    requests = random_requests(rng, max(gpu_blocks, host_blocks) * 8)
     drive(scheduler, requests)
     assert scheduler.block_manager.num_free(GPU) == gpu_blocks
-    assert scheduler.block_manager.num_free(CPU) == cpu_blocks
+    assert scheduler.block_manager.num_free(HOST) == host_blocks
     assert all(r.is_finished for r in requests)

@@ -29,7 +29,7 @@ def inputs_of(gpu_lengths, cpu_lengths, prefill_lengths=(), pad_rows=False):
     batch = SubBatch(
         prefills=[decoding(f"p{i}", n, KVLocation.GPU, 40 + 8 * i) for i, n in enumerate(prefill_lengths)],
         gpu_decodes=[decoding(f"g{i}", n, KVLocation.GPU, 8 * i) for i, n in enumerate(gpu_lengths)],
-        cpu_decodes=[decoding(f"c{i}", n, KVLocation.CPU, 8 * i) for i, n in enumerate(cpu_lengths)])
+        host_decodes=[decoding(f"c{i}", n, KVLocation.HOST, 8 * i) for i, n in enumerate(cpu_lengths)])
     for request in batch.prefills:
         request.num_cached_tokens = 0
     return build_batch_inputs(batch, BLOCK_SIZE, torch.device("cpu"), pad_rows)
@@ -63,10 +63,10 @@ def test_other_plans_run_eagerly(case):
 def test_static_inputs_lay_out_gpu_then_host_rows_with_padding(pad_rows):
     static = StaticInputs(rows=16, gpu_rows=8, max_blocks=MAX_BLOCKS, device=torch.device("cpu"))
     wide = inputs_of([5, 9, 3, 4, 6], [7, 2, 8])  # fills more rows first: stale values to overwrite
-    static.load(wide, gpu_rows=8, cpu_rows=4)
+    static.load(wide, gpu_rows=8, host_rows=4)
     inputs = inputs_of([5, 9, 3], [7, 2], pad_rows=pad_rows)
     assert inputs.input_ids.shape[0] == (8 if pad_rows else 5)  # GEMM-row padding: not copied
-    static.load(inputs, gpu_rows=4, cpu_rows=2)
+    static.load(inputs, gpu_rows=4, host_rows=2)
     meta = inputs.metadata
     assert static.input_ids[:3].tolist() == inputs.input_ids[:3].tolist()
     assert static.input_ids[4:6].tolist() == inputs.input_ids[3:5].tolist()
@@ -77,8 +77,8 @@ def test_static_inputs_lay_out_gpu_then_host_rows_with_padding(pad_rows):
     assert static.seq_lens[:4].tolist() == [5, 9, 3, 1]
     assert static.block_table[:3, :3].tolist() == meta.gpu_block_table.tolist()
     assert static.block_table[3].tolist() == [0] * MAX_BLOCKS
-    captured = static.metadata(gpu_rows=4, cpu_rows=2)
-    assert (captured.num_gpu_decodes, captured.num_cpu_decodes, captured.num_tokens) == (4, 2, 6)
+    captured = static.metadata(gpu_rows=4, host_rows=2)
+    assert (captured.num_gpu_decodes, captured.num_host_decodes, captured.num_tokens) == (4, 2, 6)
     hidden = torch.arange(6).unsqueeze(1)
     real = torch.cat(StaticInputs.real_rows(hidden, inputs, gpu_rows=4))
     assert real.flatten().tolist() == [0, 1, 2, 4, 5]  # in the plan's request order

@@ -22,11 +22,11 @@ def test_interpolate_is_piecewise_linear_and_extrapolates():
 
 
 def test_cpu_attention_is_bilinear():
-    table = PerfTable(cpu_attention_requests=[1, 5], cpu_attention_tokens=[[100, 300], [100, 300]],
-                      cpu_attention_seconds=[[1.0, 3.0], [2.0, 4.0]])
+    table = PerfTable(host_attention_requests=[1, 5], host_attention_tokens=[[100, 300], [100, 300]],
+                      host_attention_seconds=[[1.0, 3.0], [2.0, 4.0]])
     model = PerfModel(table)
-    assert model.cpu_attention(3, 200) == pytest.approx(2.5)
-    assert model.cpu_attention(0, 200) == 0.0
+    assert model.host_attention(3, 200) == pytest.approx(2.5)
+    assert model.host_attention(0, 200) == 0.0
 
 
 def test_graph_decode_adds_the_extra_attention_of_longer_contexts():
@@ -71,7 +71,7 @@ def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
     for name in ("linear", "gpu_attention", "prefill"):
         seconds = table[f"{name}_seconds"]
         assert seconds and all(value > 0 for value in seconds), name
-    assert all(value > 0 for row in table["cpu_attention_seconds"] for value in row)
+    assert all(value > 0 for row in table["host_attention_seconds"] for value in row)
     assert table["linear_seconds"][-1] > table["linear_seconds"][0]  # 256 tokens cost more than 1
     assert table["graph_decode_requests"] == []  # no CUDA graphs on the CPU
     engine = LLMEngine(EngineConfig(policy="neo", perf_model=str(path), **SMALL))
@@ -101,7 +101,7 @@ def test_cached_table_is_profiled_again_only_for_an_engine_it_does_not_cover(tmp
         engine = LLMEngine(EngineConfig(policy="neo", perf_model="auto", **{**SMALL, "max_num_seqs": max_num_seqs}))
         engine.close()
         (path,) = (tmp_path / "perf").glob("*.json")
-        return path.stat().st_mtime_ns, PerfTable.load(str(path)).cpu_attention_requests
+        return path.stat().st_mtime_ns, PerfTable.load(str(path)).host_attention_requests
 
     first, requests = profile_stamp(8)
     assert requests == [1, 8]

@@ -367,9 +367,9 @@ def test_neo_policy_streams_from_the_host_pool(seed, tokenless_server, reference
     assert [stream.token_ids for stream in streams] == expected
     assert all(stream.done and stream.text == "" for stream in streams)
     assert plain["choices"][0]["token_ids"] == expected[0] and plain["choices"][0]["text"] == ""
-    cpu_tokens = (metric(after, "neo_cpu_decode_tokens_total")
-                  - metric(before, "neo_cpu_decode_tokens_total"))
-    assert cpu_tokens > 0
+    host_tokens = (metric(after, "neo_host_decode_tokens_total")
+                  - metric(before, "neo_host_decode_tokens_total"))
+    assert host_tokens > 0
     info = dict(next(iter(after["neo_engine_info"])))
     assert (info["model"], info["policy"]) == (tokenless_server.model, "neo")
 
@@ -614,11 +614,11 @@ def test_metrics_exposition(seed, tiny_server):
     assert metric(during, "neo_requests_running") == 1
     assert metric(during, "neo_requests_waiting") == 0
     assert metric(during, "neo_requests_in_kv_pool", pool="gpu") == 1
-    assert metric(during, "neo_requests_in_kv_pool", pool="cpu") == 0
+    assert metric(during, "neo_requests_in_kv_pool", pool="host") == 0
     used = metric(during, "neo_kv_cache_blocks_used", pool="gpu")
     total = metric(during, "neo_kv_cache_blocks", pool="gpu")
     assert total == engine.layout.num_gpu_blocks
-    assert metric(during, "neo_kv_cache_blocks", pool="cpu") == engine.layout.num_cpu_blocks
+    assert metric(during, "neo_kv_cache_blocks", pool="host") == engine.layout.num_host_blocks
     assert math.ceil((len(prompt) + 3) / 16) <= used <= math.ceil((len(prompt) + 500) / 16)
     assert metric(during, "neo_kv_cache_usage_ratio", pool="gpu") == pytest.approx(used / total)
     assert metric(during, "neo_generation_tokens_per_second") > 0
@@ -630,7 +630,7 @@ def test_metrics_exposition(seed, tiny_server):
     assert metric(after, "neo_requests_running") == 0
     counters = [name for name in after if name.endswith("_total")]
     assert {"neo_iterations_total", "neo_two_batch_iterations_total", "neo_prefill_tokens_total",
-            "neo_gpu_decode_tokens_total", "neo_cpu_decode_tokens_total"} <= set(counters)
+            "neo_gpu_decode_tokens_total", "neo_host_decode_tokens_total"} <= set(counters)
 
 
 # -- detokenizer ---------------------------------------------------------------------------------
@@ -805,8 +805,8 @@ def test_load_generator_sweep_end_to_end(tmp_path):
         assert record["output_tokens"] == record["requested_output_tokens"]
         assert record["ttft"] <= record["latency"]
     # At 20 requests/s several requests overlap: neo decodes the overflow on the host.
-    assert results["summaries"][-1]["engine"]["cpu_decode_share"] > 0
-    assert results["summaries"][1]["engine"]["cpu_decode_share"] == 0
+    assert results["summaries"][-1]["engine"]["host_decode_share"] > 0
+    assert results["summaries"][1]["engine"]["host_decode_share"] == 0
     for name in ("online-tiny-latency-vs-rate.png", "online-tiny-latency-cdf.png"):
         with open(tmp_path / name, "rb") as file:
             assert file.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -72,7 +72,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
                            SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
     metrics_before = dataclasses.replace(engine.metrics)
     progress = tqdm(total=len(requests), desc=f"bench {config.policy}", unit="req", disable=not show_progress)
-    peak_blocks = {KVLocation.GPU: 0, KVLocation.CPU: 0}
+    peak_blocks = {KVLocation.GPU: 0, KVLocation.HOST: 0}
     log: list[tuple[float, int]] = []
     prompt_tokens = output_tokens = finished = 0
     start = time.perf_counter()
@@ -112,9 +112,9 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         "cut_short": cut_short,
         "finished_requests": finished,
         "gpu_kv_pool_gib": engine.layout.num_gpu_blocks * block_gib,
-        "cpu_kv_pool_gib": engine.layout.num_cpu_blocks * block_gib,
+        "cpu_kv_pool_gib": engine.layout.num_host_blocks * block_gib,
         "gpu_kv_peak_gib": peak_blocks[KVLocation.GPU] * block_gib,
-        "cpu_kv_peak_gib": peak_blocks[KVLocation.CPU] * block_gib,
+        "cpu_kv_peak_gib": peak_blocks[KVLocation.HOST] * block_gib,
         "metrics": metrics,
         "config": {key: value for key, value in dataclasses.asdict(config).items()},
     }
@@ -128,7 +128,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         f"host {result['cpu_kv_pool_gib']:.2f} GiB (peak used {result['cpu_kv_peak_gib']:.2f})\n"
         f"  iterations {metrics['iterations']}, two-sub-batch {metrics['two_batch_iterations']}, "
         f"host batches {metrics['host_batches']}, "
-        f"GPU decode tokens {metrics['gpu_decode_tokens']}, host decode tokens {metrics['cpu_decode_tokens']}, "
+        f"GPU decode tokens {metrics['gpu_decode_tokens']}, host decode tokens {metrics['host_decode_tokens']}, "
         f"swapped out/in {metrics['blocks_swapped_out']}/{metrics['blocks_swapped_in']} blocks")
     if owns_engine:
         engine.close()

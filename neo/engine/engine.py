@@ -10,7 +10,7 @@ import torch
 from neo.sched.async_offload_scheduler import AsyncOffloadScheduler
 from neo.sched.block_manager import BlockManager
 from neo.config import EngineConfig
-from neo.runner.cpu_worker import CpuAttentionWorker, default_cpu_attention_threads
+from neo.runner.host_worker import HostAttentionWorker, default_cpu_attention_threads
 from neo.runner.decode_graphs import DecodeGraphs
 from neo.runner.executor import PipelineExecutor
 from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
@@ -67,15 +67,15 @@ class LLMEngine:
             raise ValueError(f"the GPU KV pool holds no block of {self.layout.block_bytes} bytes: "
                              f"raise gpu_kv_cache_gib or gpu_memory_utilization")
         self.kv_cache = KVCache(self.layout, self.device)
-        self.block_manager = BlockManager(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks,
+        self.block_manager = BlockManager(self.layout.num_gpu_blocks, self.layout.num_host_blocks,
                                           config.block_size)
         self.worker = None
         if config.policy != "gpu-only":
-            self.worker = CpuAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+            self.worker = HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
         max_blocks_per_sequence = -(-self.max_model_len // config.block_size)
         pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else self.device.type == "cuda"
         executor = PipelineExecutor(self.model, self.kv_cache, self.device, self.worker,
-                                    max_cpu_decodes=config.max_num_seqs,
+                                    max_host_decodes=config.max_num_seqs,
                                     max_blocks_per_sequence=max_blocks_per_sequence,
                                     measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
         asynchronous = config.host_pipeline == "async" and self.worker is not None
@@ -111,7 +111,7 @@ class LLMEngine:
                     "%d blocks (%.2f GiB)", self.model_config.name or config.model, self.device,
                     self.dtype, config.policy, self.layout.num_gpu_blocks,
                     self.layout.num_gpu_blocks * self.layout.block_bytes / GIB,
-                    self.layout.num_cpu_blocks, self.layout.num_cpu_blocks * self.layout.block_bytes / GIB)
+                    self.layout.num_host_blocks, self.layout.num_host_blocks * self.layout.block_bytes / GIB)
 
     def _resolve_dtype(self, name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if name == "auto":
@@ -169,16 +169,16 @@ class LLMEngine:
         if length + 1 > capacity:
             raise ValueError(f"prompt of {length} tokens can never fit the KV pools: the largest "
                              f"holds {capacity} tokens (GPU pool {self.layout.num_gpu_blocks} "
-                             f"blocks, host pool {self.layout.num_cpu_blocks} blocks of "
+                             f"blocks, host pool {self.layout.num_host_blocks} blocks of "
                              f"{self.config.block_size} tokens)")
 
     def _largest_pool_tokens(self) -> int:
         if self.config.policy == "gpu-only":
             blocks = self.layout.num_gpu_blocks
         elif self.config.policy == "full-offload":
-            blocks = self.layout.num_cpu_blocks
+            blocks = self.layout.num_host_blocks
         else:
-            blocks = max(self.layout.num_gpu_blocks, self.layout.num_cpu_blocks)
+            blocks = max(self.layout.num_gpu_blocks, self.layout.num_host_blocks)
         return blocks * self.config.block_size
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
@@ -288,7 +288,7 @@ class LLMEngine:
             return []
         requests = self.scheduler.host_batch_done(result.host_seconds)
         self.metrics.host_batches += 1
-        self.metrics.cpu_decode_tokens += len(result.requests)
+        self.metrics.host_decode_tokens += len(result.requests)
         if self.trace is not None:
             self._record_host_batch(result)
         tokens = dict(zip(map(id, result.requests), result.tokens))
@@ -310,11 +310,11 @@ class LLMEngine:
             iteration=self.metrics.iterations, num_sub_batches=len(batches),
             prefill_tokens=sum(b.num_prefill_tokens for b in batches),
             gpu_decodes=sum(len(b.gpu_decodes) for b in batches),
-            cpu_decodes=sum(len(b.cpu_decodes) for b in batches),
-            predicted_seconds=plan.predicted_time, predicted_cpu_seconds=plan.predicted_host_time,
-            profiled_cpu_seconds=plan.profiled_host_time,
+            host_decodes=sum(len(b.host_decodes) for b in batches),
+            predicted_seconds=plan.predicted_time, predicted_host_seconds=plan.predicted_host_time,
+            profiled_host_seconds=plan.profiled_host_time,
             measured_seconds=elapsed, launch_seconds=launch_seconds, queue_seconds=self.runner.queue_seconds,
-            cpu_busy_seconds=host_busy,
+            host_busy_seconds=host_busy,
             gpu_busy_seconds=self.runner.gpu_busy_seconds(), schedule_seconds=schedule_seconds,
             graph_replayed=self.runner.replayed_graph,
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before)))
@@ -323,11 +323,11 @@ class LLMEngine:
         plan = self._host_batch_plan
         self.trace.add(IterationRecord(
             iteration=self.metrics.iterations, num_sub_batches=1, prefill_tokens=0, gpu_decodes=0,
-            cpu_decodes=len(result.requests), predicted_seconds=plan.host_batch_predicted_time,
-            predicted_cpu_seconds=plan.host_batch_predicted_host_time,
-            profiled_cpu_seconds=plan.host_batch_profiled_host_time, measured_seconds=result.seconds,
+            host_decodes=len(result.requests), predicted_seconds=plan.host_batch_predicted_time,
+            predicted_host_seconds=plan.host_batch_predicted_host_time,
+            profiled_host_seconds=plan.host_batch_profiled_host_time, measured_seconds=result.seconds,
             launch_seconds=0.0, queue_seconds=0.0,
-            cpu_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
+            host_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
             graph_replayed=result.replayed_graph, host_batch=True,
             host_batch_wait_seconds=self._host_batch_wait_seconds))
 
@@ -339,7 +339,7 @@ class LLMEngine:
         for batch in plan.sub_batches:
             metrics.prefill_tokens += batch.num_prefill_tokens
             metrics.gpu_decode_tokens += len(batch.gpu_decodes)
-            metrics.cpu_decode_tokens += len(batch.cpu_decodes)
+            metrics.host_decode_tokens += len(batch.host_decodes)
         metrics.blocks_swapped_out += len(plan.swap_out)
         metrics.blocks_swapped_in += len(plan.swap_in)
 

@@ -14,7 +14,7 @@ class EngineMetrics:
     host_batches: int = 0  # host batches of the async host pipeline completed
     prefill_tokens: int = 0
     gpu_decode_tokens: int = 0
-    cpu_decode_tokens: int = 0
+    host_decode_tokens: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     preemptions: int = 0
@@ -36,15 +36,15 @@ class IterationRecord:
     num_sub_batches: int
     prefill_tokens: int
     gpu_decodes: int
-    cpu_decodes: int
+    host_decodes: int
     predicted_seconds: float | None
-    predicted_cpu_seconds: float | None  # calibrated estimate of the host attention
-    profiled_cpu_seconds: float | None  # the profile's estimate before calibration
+    predicted_host_seconds: float | None  # calibrated estimate of the host attention
+    profiled_host_seconds: float | None  # the profile's estimate before calibration
     measured_seconds: float  # launching the step's host batch (if any) and executing the plan,
     # until its tokens were on the host; of that:
     launch_seconds: float  # launching the step's host batch (async host pipeline)
     queue_seconds: float  # building the plan's inputs and queuing its device work
-    cpu_busy_seconds: float
+    host_busy_seconds: float
     gpu_busy_seconds: float | None
     schedule_seconds: float  # the scheduler's own time for this plan
     graph_replayed: bool  # replayed from a captured CUDA graph (decode-only, host decodes or not)

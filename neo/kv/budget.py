@@ -58,13 +58,13 @@ def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, ma
     empty_table = torch.empty((0, 0), dtype=torch.int32, device=device)
     no_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
     metadata = AttentionMetadata(
-        num_prefill_tokens=num_tokens, num_gpu_decodes=0, num_cpu_decodes=0, positions=positions,
+        num_prefill_tokens=num_tokens, num_gpu_decodes=0, num_host_decodes=0, positions=positions,
         slot_mapping=no_slots, prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
         max_prefill_len=max(lengths), gpu_block_table=empty_table,
         gpu_seq_lens=torch.empty(0, dtype=torch.int32, device=device),
-        cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
-        cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
-        cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
+        host_block_table=torch.empty((0, 0), dtype=torch.int32),
+        host_seq_lens=torch.empty(0, dtype=torch.int32),
+        host_slot_mapping=torch.empty(0, dtype=torch.int64),
         num_offloaded_prefill_tokens=0,
         prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
     input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)

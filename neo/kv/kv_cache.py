@@ -23,7 +23,7 @@ class CacheLayout:
     head_dim: int
     dtype: torch.dtype
     num_gpu_blocks: int
-    num_cpu_blocks: int
+    num_host_blocks: int
 
     @property
     def block_bytes(self) -> int:
@@ -36,7 +36,7 @@ class CacheLayout:
         layout = cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype, 0, 0)
         return cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype,
                    num_gpu_blocks=gpu_bytes // layout.block_bytes,
-                   num_cpu_blocks=cpu_bytes // layout.block_bytes)
+                   num_host_blocks=cpu_bytes // layout.block_bytes)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -108,21 +108,21 @@ class KVCache:
         self.layout = layout
         self.device = device
         self.gpu = _allocate("GPU", layout.pool_shape(layout.num_gpu_blocks), layout.dtype, device)
-        self.cpu = _allocate("host", layout.pool_shape(layout.num_cpu_blocks), layout.dtype, torch.device("cpu"))
-        if device.type == "cuda" and layout.num_cpu_blocks:
+        self.cpu = _allocate("host", layout.pool_shape(layout.num_host_blocks), layout.dtype, torch.device("cpu"))
+        if device.type == "cuda" and layout.num_host_blocks:
             logger.info("page-locking the %.1f GiB host KV cache", self.cpu.numel() * self.cpu.element_size() / GIB)
             _pin(self.cpu)
         self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
-        self.cpu_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
+        self.host_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
         cpu_for_device = self.cpu
-        if device.type == "cuda" and layout.num_cpu_blocks:
+        if device.type == "cuda" and layout.num_host_blocks:
             cpu_for_device = _device_addressed(self.cpu, device)
-        self.cpu_layers_for_device = [(cpu_for_device[i, 0], cpu_for_device[i, 1]) for i in range(layout.num_layers)]
+        self.host_layers_for_device = [(cpu_for_device[i, 0], cpu_for_device[i, 1]) for i in range(layout.num_layers)]
 
     def close(self) -> None:
         """Unpin the host pool (the tensors are freed when the last reference goes)."""
-        if self.device.type == "cuda" and self.layout.num_cpu_blocks and self.cpu is not None:
-            self.cpu_layers_for_device = None  # before the memory goes
+        if self.device.type == "cuda" and self.layout.num_host_blocks and self.cpu is not None:
+            self.host_layers_for_device = None  # before the memory goes
             torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())
             self.cpu = None
 
@@ -134,7 +134,7 @@ class KVCache:
         Runs on the caller's current stream.
         """
         gpu_k, gpu_v = self.gpu_layers[layer]
-        cpu_k, cpu_v = self.cpu_layers[layer]
+        cpu_k, cpu_v = self.host_layers[layer]
         if gpu_to_cpu.numel():
             torch.ops.neo.swap_blocks(gpu_k, cpu_k, gpu_to_cpu)
             torch.ops.neo.swap_blocks(gpu_v, cpu_v, gpu_to_cpu)

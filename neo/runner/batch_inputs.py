@@ -74,7 +74,7 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
         return decode_slots
 
     add_decodes(batch.gpu_decodes, on_device=True)
-    cpu_slots = add_decodes(batch.cpu_decodes, on_device=False)
+    host_decode_slots = add_decodes(batch.host_decodes, on_device=False)
     num_padding = padded_rows(len(token_ids)) - len(token_ids) if pad_rows else 0
     token_ids += [0] * num_padding
     positions += [0] * num_padding
@@ -85,22 +85,22 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
     metadata = AttentionMetadata(
         num_prefill_tokens=cu_seqlens[-1],
         num_gpu_decodes=len(batch.gpu_decodes),
-        num_cpu_decodes=len(batch.cpu_decodes),
+        num_host_decodes=len(batch.host_decodes),
         positions=_to_device(positions, int64, device),
         slot_mapping=_to_device(slots, int64, device),
         prefill_cu_seqlens=_to_device(cu_seqlens, int32, device),
         max_prefill_len=max_prefill_len,
         gpu_block_table=_to_device(_block_table(batch.gpu_decodes), int32, device),
         gpu_seq_lens=_to_device([r.num_tokens for r in batch.gpu_decodes], int32, device),
-        cpu_block_table_host=_block_table(batch.cpu_decodes),
-        cpu_seq_lens_host=torch.tensor([r.num_tokens for r in batch.cpu_decodes], dtype=int32),
-        cpu_slot_mapping_host=torch.tensor(cpu_slots, dtype=int64),
+        host_block_table=_block_table(batch.host_decodes),
+        host_seq_lens=torch.tensor([r.num_tokens for r in batch.host_decodes], dtype=int32),
+        host_slot_mapping=torch.tensor(host_decode_slots, dtype=int64),
         num_offloaded_prefill_tokens=num_offloaded,
         prefill_host_slot_mapping=_to_device(host_slots if num_offloaded else [], int64, device),
         num_padding_tokens=num_padding,
     )
     return BatchInputs(
-        requests=batch.prefills + batch.gpu_decodes + batch.cpu_decodes,
+        requests=batch.prefills + batch.gpu_decodes + batch.host_decodes,
         input_ids=_to_device(token_ids, int64, device),
         metadata=metadata,
         logits_indices=_to_device(logits_rows, int64, device),

@@ -92,7 +92,7 @@ class DecodeGraphs:
 
     def can_run(self, inputs: BatchInputs) -> bool:
         meta = inputs.metadata
-        return (meta.num_prefill_tokens == 0 and meta.num_cpu_decodes == 0
+        return (meta.num_prefill_tokens == 0 and meta.num_host_decodes == 0
                 and 0 < meta.num_gpu_decodes <= self.sizes[-1]
                 and meta.gpu_block_table.shape[1] <= self.max_blocks)
 

@@ -55,14 +55,14 @@ from neo.ops import dispatched
 
 from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
-from .cpu_worker import CpuAttentionWorker
+from .host_worker import HostAttentionWorker
 from .gemm_rows import padded_logits
 from neo.kv.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
 FAILURE_MESSAGE_BYTES = 1024
-NUM_SLOTS = 2  # sub-batches in flight at once
+MAX_SUB_BATCHES = 2  # sub-batches in flight at once
 
 
 def host_stage_available() -> bool:
@@ -75,7 +75,7 @@ def host_stage_available() -> bool:
 
 
 @dataclass
-class _SlotBuffers:
+class _HostRowBuffers:
     """One sub-batch slot's host-side buffers (CUDA only), reused layer after layer: pinned rows
     for the copies, and the host metadata of the slot's current sub-batch."""
 
@@ -102,18 +102,18 @@ class _SlotBuffers:
 
     def load(self, meta: AttentionMetadata) -> None:
         """Copy the sub-batch's host metadata in (the host functions read it from here)."""
-        decodes = meta.num_cpu_decodes
+        decodes = meta.num_host_decodes
         if decodes > self.query.shape[0]:
             raise ValueError(f"a sub-batch of {decodes} host decodes exceeds the pipeline's buffers "
                              f"({self.query.shape[0]} rows)")
         if decodes:
-            width = meta.cpu_block_table_host.shape[1]
+            width = meta.host_block_table.shape[1]
             if width > self.block_table.shape[1]:
                 raise ValueError(f"a host block table of {width} blocks exceeds the pipeline's "
                                  f"{self.block_table.shape[1]} blocks per sequence")
-            self.slot_mapping[:decodes] = meta.cpu_slot_mapping_host
-            self.block_table[:decodes, :width] = meta.cpu_block_table_host
-            self.seq_lens[:decodes] = meta.cpu_seq_lens_host
+            self.slot_mapping[:decodes] = meta.host_slot_mapping
+            self.block_table[:decodes, :width] = meta.host_block_table
+            self.seq_lens[:decodes] = meta.host_seq_lens
         self.num_decodes[0] = decodes
 
 
@@ -121,8 +121,8 @@ class _SlotBuffers:
 class _HostInputs:
     """One layer's inputs of a sub-batch's host work (compute-device or host tensors)."""
 
-    query: torch.Tensor  # [num_cpu_decodes, H, D]
-    key: torch.Tensor  # [num_cpu_decodes, KVH, D]
+    query: torch.Tensor  # [num_host_decodes, H, D]
+    key: torch.Tensor  # [num_host_decodes, KVH, D]
     value: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ class PipelineExecutor:
     """Executes sub-batches layer by layer on the compute device and the host CPU."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device,
-                 worker: CpuAttentionWorker | None, max_cpu_decodes: int, max_blocks_per_sequence: int,
+                 worker: HostAttentionWorker | None, max_host_decodes: int, max_blocks_per_sequence: int,
                  measure_gpu_busy: bool = False, pad_rows: bool = False):
         """``pad_rows``: run the logits GEMM over ``neo.gemm_rows`` buckets of rows."""
         self.model = model
@@ -156,11 +156,11 @@ class PipelineExecutor:
         self.scale = config.head_dim ** -0.5
         self.on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
-        self.slots: list[_SlotBuffers] = []
+        self.slots: list[_HostRowBuffers] = []
         if self.on_cuda and worker is not None:
-            self.slots = [_SlotBuffers.allocate(max_cpu_decodes, max_blocks_per_sequence, config.num_heads,
+            self.slots = [_HostRowBuffers.allocate(max_host_decodes, max_blocks_per_sequence, config.num_heads,
                                                 config.num_kv_heads, config.head_dim, kv_cache.layout.dtype)
-                          for _ in range(NUM_SLOTS)]
+                          for _ in range(MAX_SUB_BATCHES)]
         self.host_failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.host_seconds = torch.zeros(1, dtype=torch.float64)  # host functions' time this iteration
         self.stream_ordered_host_work = (bool(self.slots) and host_stage_available()
@@ -300,7 +300,7 @@ class PipelineExecutor:
                                                                 k_cache, v_cache)
         state.attention_output = torch.empty_like(query)
         if meta.num_offloaded_prefill_tokens:  # the prefill rows; slot -1 skips GPU-bound prompts
-            host_k_cache, host_v_cache = self.kv_cache.cpu_layers_for_device[layer_index]
+            host_k_cache, host_v_cache = self.kv_cache.host_layers_for_device[layer_index]
             prefill = slice(0, meta.num_prefill_tokens)
             torch.ops.neo.store_kv_cache(key[prefill], value[prefill], host_k_cache, host_v_cache,
                                          meta.prefill_host_slot_mapping)
@@ -320,7 +320,7 @@ class PipelineExecutor:
 
     def _host_inputs(self, meta: AttentionMetadata, query, key, value) -> _HostInputs | None:
         """The rows the host needs for this layer (contiguous: ``pre_attention``'s outputs are)."""
-        if meta.num_cpu_decodes == 0:
+        if meta.num_host_decodes == 0:
             return None
         if self.worker is None:
             raise RuntimeError("this engine has no host KV cache worker (policy gpu-only), but "
@@ -330,7 +330,7 @@ class PipelineExecutor:
 
     def _start_host_work(self, meta: AttentionMetadata, layer_index: int, slot: int,
                          inputs: _HostInputs, attention_output: torch.Tensor):
-        host_k_cache, host_v_cache = self.kv_cache.cpu_layers[layer_index]
+        host_k_cache, host_v_cache = self.kv_cache.host_layers[layer_index]
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
         if self.stages:
             stage = self.stages[slot]
@@ -348,7 +348,7 @@ class PipelineExecutor:
             pinned = self._to_pinned(slot, inputs)
             copied = torch.cuda.Event()
             copied.record()
-        output = self.slots[slot].output[:meta.num_cpu_decodes]
+        output = self.slots[slot].output[:meta.num_host_decodes]
 
         def task():
             copied.synchronize()
@@ -370,9 +370,9 @@ class PipelineExecutor:
                    host_v_cache) -> torch.Tensor:
         """Store the new K/V in the host cache and attend there (the worker's job)."""
         torch.ops.neo.store_kv_cache(inputs.key, inputs.value, host_k_cache, host_v_cache,
-                                     meta.cpu_slot_mapping_host)
+                                     meta.host_slot_mapping)
         torch.ops.neo.paged_decode_attention(output, inputs.query, host_k_cache, host_v_cache,
-                                             meta.cpu_block_table_host, meta.cpu_seq_lens_host, self.scale)
+                                             meta.host_block_table, meta.host_seq_lens, self.scale)
         return output
 
     def _collect_host_work(self, state: _SubBatchState) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch_inputs import build_batch_inputs
-from .cpu_worker import CpuAttentionWorker
+from .host_worker import HostAttentionWorker
 from .executor import PipelineExecutor
 from neo.kv.kv_cache import KVCache
 from .pipeline_graphs import PipelineGraphs
@@ -72,7 +72,7 @@ class _InFlight:
 class HostBatchRunner:
     """Launches one host batch at a time and hands back its tokens once it has completed."""
 
-    def __init__(self, model, kv_cache: KVCache, worker: CpuAttentionWorker, device: torch.device,
+    def __init__(self, model, kv_cache: KVCache, worker: HostAttentionWorker, device: torch.device,
                  max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
                  pad_rows: bool = False):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
@@ -80,7 +80,7 @@ class HostBatchRunner:
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.worker = worker
-        self.executor = PipelineExecutor(model, kv_cache, device, worker, max_cpu_decodes=max_decodes,
+        self.executor = PipelineExecutor(model, kv_cache, device, worker, max_host_decodes=max_decodes,
                                          max_blocks_per_sequence=max_blocks_per_sequence, pad_rows=pad_rows)
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -102,9 +102,9 @@ class HostBatchRunner:
         """Queue the batch (host decodes only; their slots made) on the host stream."""
         if self._in_flight is not None:
             raise RuntimeError("a host batch is already in flight")
-        if batch.prefills or batch.gpu_decodes or not batch.cpu_decodes:
+        if batch.prefills or batch.gpu_decodes or not batch.host_decodes:
             raise ValueError("a host batch holds host decodes only")
-        requests = batch.cpu_decodes
+        requests = batch.host_decodes
         launched_at = time.perf_counter()
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
             started = self._timing_event()

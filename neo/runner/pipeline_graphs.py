@@ -62,10 +62,10 @@ def graph_shape(metadata: list[AttentionMetadata], sizes: list[int], max_blocks:
     shape = []
     for meta in metadata:
         if (meta.num_prefill_tokens or meta.num_offloaded_prefill_tokens
-                or meta.num_gpu_decodes > largest or meta.num_cpu_decodes > largest
+                or meta.num_gpu_decodes > largest or meta.num_host_decodes > largest
                 or meta.gpu_block_table.shape[1] > max_blocks):
             return None
-        shape.append((padded(meta.num_gpu_decodes, sizes), padded(meta.num_cpu_decodes, sizes)))
+        shape.append((padded(meta.num_gpu_decodes, sizes), padded(meta.num_host_decodes, sizes)))
     if not any(cpu for _, cpu in shape):
         return None  # GPU decodes alone: DecodeGraphs' job
     return tuple(shape)
@@ -89,26 +89,26 @@ class StaticInputs:
         self.block_table = torch.zeros(gpu_rows, max_blocks, **int32)
         self.seq_lens = torch.ones(gpu_rows, **int32)
 
-    def metadata(self, gpu_rows: int, cpu_rows: int) -> AttentionMetadata:
+    def metadata(self, gpu_rows: int, host_rows: int) -> AttentionMetadata:
         """The captured sub-batch's metadata (host fields empty: the host functions read the
         executor's buffers)."""
-        rows = gpu_rows + cpu_rows
+        rows = gpu_rows + host_rows
         return AttentionMetadata.for_captured_decodes(self.positions[:rows], self.slot_mapping[:rows],
                                                       self.block_table[:gpu_rows], self.seq_lens[:gpu_rows],
-                                                      cpu_rows)
+                                                      host_rows)
 
-    def load(self, inputs: BatchInputs, gpu_rows: int, cpu_rows: int) -> None:
-        """Copy a sub-batch's inputs in, laid out for the captured ``gpu_rows`` / ``cpu_rows``."""
+    def load(self, inputs: BatchInputs, gpu_rows: int, host_rows: int) -> None:
+        """Copy a sub-batch's inputs in, laid out for the captured ``gpu_rows`` / ``host_rows``."""
         meta = inputs.metadata
-        gpu, cpu = meta.num_gpu_decodes, meta.num_cpu_decodes
-        host_rows = slice(gpu_rows, gpu_rows + cpu)
+        gpu, host = meta.num_gpu_decodes, meta.num_host_decodes
+        host_part = slice(gpu_rows, gpu_rows + host)
         self.input_ids[:gpu].copy_(inputs.input_ids[:gpu], non_blocking=True)
-        self.input_ids[host_rows].copy_(inputs.input_ids[gpu:gpu + cpu], non_blocking=True)
+        self.input_ids[host_part].copy_(inputs.input_ids[gpu:gpu + host], non_blocking=True)
         self.positions[:gpu].copy_(meta.positions[:gpu], non_blocking=True)
-        self.positions[host_rows].copy_(meta.positions[gpu:gpu + cpu], non_blocking=True)
+        self.positions[host_part].copy_(meta.positions[gpu:gpu + host], non_blocking=True)
         # Another shape may have left GPU slots in rows that are padding or host rows here.
         self.slot_mapping[:gpu].copy_(meta.slot_mapping[:gpu], non_blocking=True)
-        self.slot_mapping[gpu:gpu_rows + cpu_rows].fill_(-1)
+        self.slot_mapping[gpu:gpu_rows + host_rows].fill_(-1)
         if gpu_rows:
             width = meta.gpu_block_table.shape[1]
             self.seq_lens[:gpu].copy_(meta.gpu_seq_lens, non_blocking=True)
@@ -119,7 +119,7 @@ class StaticInputs:
     @staticmethod
     def real_rows(hidden: torch.Tensor, inputs: BatchInputs, gpu_rows: int) -> list[torch.Tensor]:
         meta = inputs.metadata
-        return [hidden[:meta.num_gpu_decodes], hidden[gpu_rows:gpu_rows + meta.num_cpu_decodes]]
+        return [hidden[:meta.num_gpu_decodes], hidden[gpu_rows:gpu_rows + meta.num_host_decodes]]
 
 
 class PipelineGraphs:
@@ -162,8 +162,8 @@ class PipelineGraphs:
                 return None
         self.captures.move_to_end(shape)
         self.executor.prepare([inputs.metadata for inputs in batches])
-        for static, inputs, (gpu_rows, cpu_rows) in zip(self.inputs, batches, shape):
-            static.load(inputs, gpu_rows, cpu_rows)
+        for static, inputs, (gpu_rows, host_rows) in zip(self.inputs, batches, shape):
+            static.load(inputs, gpu_rows, host_rows)
         capture.graph.replay()
         self.executor.end(capture.wait_events)
         rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
@@ -173,9 +173,9 @@ class PipelineGraphs:
     def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
         while len(self.captures) >= self.capacity:
             self.captures.popitem(last=False)
-        metadata = [static.metadata(gpu_rows, cpu_rows)
-                    for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
-        input_ids = [static.input_ids[:gpu_rows + cpu_rows] for static, (gpu_rows, cpu_rows) in zip(self.inputs, shape)]
+        metadata = [static.metadata(gpu_rows, host_rows)
+                    for static, (gpu_rows, host_rows) in zip(self.inputs, shape)]
+        input_ids = [static.input_ids[:gpu_rows + host_rows] for static, (gpu_rows, host_rows) in zip(self.inputs, shape)]
         graph = torch.cuda.CUDAGraph()
         self.executor.take_wait_events()
         try:

@@ -7,7 +7,7 @@ blocks consecutive):
 - linear: pre- and post-attention stages of every layer for a sub-batch of T decode tokens;
 - gpu_attention: paged decode attention over the GPU pool vs context tokens;
 - prefill_attention: prefill attention of one prompt vs its length;
-- cpu_attention: host K/V store + decode attention vs (requests, context tokens), timed inside
+- host_attention: host K/V store + decode attention vs (requests, context tokens), timed inside
   real iterations of host decodes through the engine's executor (the host functions' own
   time), so the figure is what the engine's host work costs, hand-off included;
 - pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
@@ -144,13 +144,13 @@ class Profiler:
         """The points each table is measured at, from this engine's limits and pools."""
         max_tokens = self.config.max_num_batched_tokens
         gpu_capacity = self.engine.layout.num_gpu_blocks * self.config.block_size
-        cpu_capacity = self.engine.layout.num_cpu_blocks * self.config.block_size
+        host_capacity = self.engine.layout.num_host_blocks * self.config.block_size
         return {
             "batched tokens": _geometric(1, max_tokens),
             "GPU context": _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else [],
             "prompt length": _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0),
             "host requests": [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1],
-            "host context": _geometric(256, max(256, min(cpu_capacity, 1 << 21)), 4.0) if cpu_capacity >= 256 else [],
+            "host context": _geometric(256, max(256, min(host_capacity, 1 << 21)), 4.0) if host_capacity >= 256 else [],
             "graph batch": self._graph_decode_points(),
         }
 
@@ -166,8 +166,8 @@ class Profiler:
             "batched tokens": max(table.linear_tokens, default=0),
             "GPU context": max(table.gpu_attention_tokens, default=0),
             "prompt length": max(table.prefill_lengths, default=0),
-            "host requests": max(table.cpu_attention_requests, default=0),
-            "host context": max((max(row) for row in table.cpu_attention_tokens if row), default=0),
+            "host requests": max(table.host_attention_requests, default=0),
+            "host context": max((max(row) for row in table.host_attention_tokens if row), default=0),
             "graph batch": max(table.graph_decode_requests, default=0),
         }
         return [f"{name} (up to {wanted[name]}, profiled up to {int(reached[name])})"
@@ -178,9 +178,9 @@ class Profiler:
         points = self._points()
         token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
         prefill_points, request_points = points["prompt length"], points["host requests"]
-        cpu_context_points, graph_points = points["host context"], points["graph batch"]
+        host_context_points, graph_points = points["host context"], points["graph batch"]
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
-                 + len(request_points) * len(cpu_context_points) + 3 + len(graph_points))
+                 + len(request_points) * len(host_context_points) + 3 + len(graph_points))
         with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:
             for tokens in token_points:
                 table.linear_tokens.append(tokens)
@@ -194,17 +194,17 @@ class Profiler:
                 table.prefill_lengths.append(length)
                 table.prefill_seconds.append(self._prefill_attention(length))
                 progress.update(1)
-            table.cpu_attention_requests = list(request_points)
+            table.host_attention_requests = list(request_points)
             for requests in request_points:
                 tokens, seconds = [], []
-                for context in cpu_context_points:
+                for context in host_context_points:
                     lengths = self._host_lengths(requests, context)
                     if sum(lengths) not in tokens:
                         tokens.append(sum(lengths))
                         seconds.append(self._cpu_attention(lengths))
                     progress.update(1)
-                table.cpu_attention_tokens.append(tokens)
-                table.cpu_attention_seconds.append(seconds)
+                table.host_attention_tokens.append(tokens)
+                table.host_attention_seconds.append(seconds)
             model = PerfModel(table)
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
@@ -243,14 +243,14 @@ class Profiler:
         device = self.device
         empty_int = torch.empty(0, dtype=torch.int32, device=device)
         return AttentionMetadata(
-            num_prefill_tokens=0, num_gpu_decodes=num_tokens, num_cpu_decodes=0,
+            num_prefill_tokens=0, num_gpu_decodes=num_tokens, num_host_decodes=0,
             positions=torch.randint(0, 1024, (num_tokens,), device=device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
             gpu_block_table=torch.empty((0, 0), dtype=torch.int32, device=device), gpu_seq_lens=empty_int,
-            cpu_block_table_host=torch.empty((0, 0), dtype=torch.int32),
-            cpu_seq_lens_host=torch.empty(0, dtype=torch.int32),
-            cpu_slot_mapping_host=torch.empty(0, dtype=torch.int64),
+            host_block_table=torch.empty((0, 0), dtype=torch.int32),
+            host_seq_lens=torch.empty(0, dtype=torch.int32),
+            host_slot_mapping=torch.empty(0, dtype=torch.int64),
             num_offloaded_prefill_tokens=0,
             prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
 
@@ -324,15 +324,15 @@ class Profiler:
         """``num_requests`` equal lengths adding up to about ``context`` tokens, each within the
         model's length and all within the host pool (each request also needs its next slot)."""
         block_size = self.config.block_size
-        per_request_blocks = self.engine.layout.num_cpu_blocks // num_requests
+        per_request_blocks = self.engine.layout.num_host_blocks // num_requests
         length = min(max(1, context // num_requests), self.engine.max_model_len - 1,
                      per_request_blocks * block_size - 1)
         return [length] * num_requests
 
     def _cpu_attention(self, lengths: list[int]) -> float:
         """Host time of one iteration in which requests of ``lengths`` decode on the host."""
-        requests = self._requests(KVLocation.CPU, lengths)
-        plan = SchedulerOutput(sub_batches=[SubBatch(cpu_decodes=requests)])
+        requests = self._requests(KVLocation.HOST, lengths)
+        plan = SchedulerOutput(sub_batches=[SubBatch(host_decodes=requests)])
         try:
             samples = []
             for _ in range(self.repeats + 1):
@@ -400,12 +400,12 @@ class Profiler:
         """(eager, replayed from a pipeline graph) overheads of a small two-sub-batch decode
         plan over its stage times; the graph's is the eager one where the engine has no
         pipeline graphs."""
-        if self.engine.layout.num_cpu_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
+        if self.engine.layout.num_host_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
             return 0.0, 0.0
         gpu = self._requests(KVLocation.GPU, [256])
-        host = self._requests(KVLocation.CPU, [256, 256])
-        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, cpu_decodes=host[:1]),
-                                            SubBatch(cpu_decodes=host[1:])])
+        host = self._requests(KVLocation.HOST, [256, 256])
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:1]),
+                                            SubBatch(host_decodes=host[1:])])
         runner = self.engine.runner
         graphs = runner.pipeline_graphs
         try:
@@ -422,8 +422,8 @@ class Profiler:
         finally:
             for request in gpu + host:
                 self.engine.block_manager.free(request)
-        stages = (model.linear(2), model.gpu_attention(256), model.linear(1), model.cpu_attention(1, 256),
-                  model.cpu_attention(1, 256))
+        stages = (model.linear(2), model.gpu_attention(256), model.linear(1), model.host_attention(1, 256),
+                  model.host_attention(1, 256))
         return (self._overhead_for(model, stages, eager, lowest=0.0),
                 self._overhead_for(model, stages, replayed, lowest=-replayed))
 
@@ -431,10 +431,10 @@ class Profiler:
         """Measured time of a host batch of two 256-token decodes (launched, then collected)
         minus its stage times; none where the engine runs no host batches."""
         runner = self.engine.runner
-        if runner.host_batches is None or self.engine.layout.num_cpu_blocks < 2 * -(-256 // self.config.block_size):
+        if runner.host_batches is None or self.engine.layout.num_host_blocks < 2 * -(-256 // self.config.block_size):
             return 0.0
-        requests = self._requests(KVLocation.CPU, [256, 256])
-        plan = SchedulerOutput(host_batch=SubBatch(cpu_decodes=requests))
+        requests = self._requests(KVLocation.HOST, [256, 256])
+        plan = SchedulerOutput(host_batch=SubBatch(host_decodes=requests))
 
         def run():
             runner.launch_host_batch(plan)
@@ -445,7 +445,7 @@ class Profiler:
         finally:
             for request in requests:
                 self.engine.block_manager.free(request)
-        return measured - model.linear(2) - model.cpu_attention(2, 512)
+        return measured - model.linear(2) - model.host_attention(2, 512)
 
     @staticmethod
     def _overhead_for(model: PerfModel, stages: tuple, measured: float, lowest: float) -> float:

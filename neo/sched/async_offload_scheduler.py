@@ -36,7 +36,7 @@ from neo.request import KVLocation, Request, RequestStatus
 from .offload_scheduler import EPSILON, OffloadScheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
 class AsyncOffloadScheduler(OffloadScheduler):
@@ -114,7 +114,7 @@ class AsyncOffloadScheduler(OffloadScheduler):
                 self._economics_seen = None
         # Requests evicted to the host pool just now wait for the next batch: their blocks are
         # copied out by this iteration's GPU work, which a batch launched now does not wait for.
-        arriving = {cpu_block for _, cpu_block in output.swap_out}
+        arriving = {host_block for _, host_block in output.swap_out}
         host_requests = [r for r in host_requests if r.block_table[0] not in arriving]
         if self.in_flight or not host_requests:
             self.iterations_without_host_decode = 0 if not host_requests else self.iterations_without_host_decode + 1
@@ -125,7 +125,7 @@ class AsyncOffloadScheduler(OffloadScheduler):
             self.iterations_without_host_decode += 1
             return
         requests = sorted(host_requests, key=lambda r: r.last_scheduled_iteration)[:self.config.max_num_seqs]
-        output.host_batch = SubBatch(cpu_decodes=requests)
+        output.host_batch = SubBatch(host_decodes=requests)
         host = self._host_attention(len(requests), sum(r.num_tokens for r in requests))
         output.host_batch_predicted_time = self.perf_model.host_batch_time(self.perf_model.linear(len(requests)), host)
         output.host_batch_predicted_host_time = host

@@ -45,11 +45,11 @@ class BlockManager:
     ordered before any later write on the executing side.
     """
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int):
+    def __init__(self, num_gpu_blocks: int, num_host_blocks: int, block_size: int):
         self.block_size = block_size
         self.pools = {
             KVLocation.GPU: BlockPool(KVLocation.GPU, num_gpu_blocks),
-            KVLocation.CPU: BlockPool(KVLocation.CPU, num_cpu_blocks),
+            KVLocation.HOST: BlockPool(KVLocation.HOST, num_host_blocks),
         }
 
     def blocks_for(self, num_tokens: int) -> int:

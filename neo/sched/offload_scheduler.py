@@ -53,7 +53,7 @@ from neo.request import KVLocation, Request
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, SubBatch
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 EPSILON = 1e-9  # seconds: keeps rates finite under a zero perf model
 # Whether host decodes pay is judged again when what it depends on changes (request counts,
 # the waiting head, the host correction), and at least this often as contexts grow.
@@ -153,7 +153,7 @@ class OffloadScheduler(Scheduler):
     def observe(self, plan: SchedulerOutput, host_seconds: float, measured_seconds: float) -> None:
         """The measured host time of an executed plan corrects later host estimates (plans
         that also copied out a prefill's K/V on the host are left out: the estimate omits it)."""
-        if not plan.profiled_host_time or any(r.location is CPU for b in plan.sub_batches for r in b.prefills):
+        if not plan.profiled_host_time or any(r.location is HOST for b in plan.sub_batches for r in b.prefills):
             return
         self.host_calibration.observe(plan.profiled_host_time, host_seconds)
 
@@ -173,7 +173,7 @@ class OffloadScheduler(Scheduler):
             request = gpu_queue.pop(0)
             if self._make_slot(request, gpu_queue, output):
                 batch0.gpu_decodes.append(request)
-        host_queue = [r for r in plannable if r.location is CPU]
+        host_queue = [r for r in plannable if r.location is HOST]
         ready = []
         while host_queue:
             request = host_queue.pop(0)
@@ -197,10 +197,10 @@ class OffloadScheduler(Scheduler):
         """A GPU request moves to the host pool if it has room; otherwise the request gives its
         blocks back to be prefilled again, or ends if no pool could ever hold it."""
         manager = self.block_manager
-        if request.location is GPU and manager.can_move(request, CPU, reserve=1):
-            output.swap_out += manager.move(request, CPU)
+        if request.location is GPU and manager.can_move(request, HOST, reserve=1):
+            output.swap_out += manager.move(request, HOST)
             return
-        largest_pool = max(manager.num_total(CPU), 0 if self.full_offload else manager.num_total(GPU))
+        largest_pool = max(manager.num_total(HOST), 0 if self.full_offload else manager.num_total(GPU))
         if len(request.block_table) + 1 > largest_pool:
             self.running.remove(request)
             self.finish(request, "length")
@@ -217,7 +217,7 @@ class OffloadScheduler(Scheduler):
             return GPU
         if not self.host_admission_open and self.running:  # alone, it always may
             return None
-        return CPU if self.block_manager.can_allocate(request.num_tokens + 1, CPU) else None
+        return HOST if self.block_manager.can_allocate(request.num_tokens + 1, HOST) else None
 
     # -- 3. host -> GPU ------------------------------------------------------------------------
 
@@ -278,8 +278,8 @@ class OffloadScheduler(Scheduler):
         if self.full_offload:
             best_count = len(ordered)
         chosen = {id(request) for request in ordered[:best_count]}
-        batch0.cpu_decodes.extend(r for r in placement.batch0 if id(r) in chosen)
-        batch1.cpu_decodes.extend(r for r in placement.batch1 if id(r) in chosen)
+        batch0.host_decodes.extend(r for r in placement.batch0 if id(r) in chosen)
+        batch1.host_decodes.extend(r for r in placement.batch1 if id(r) in chosen)
         self.iterations_without_host_decode = 0 if best_count else self.iterations_without_host_decode + 1
         return batch1
 
@@ -391,10 +391,10 @@ class OffloadScheduler(Scheduler):
 
     def _host_attention(self, num_requests: int, context_tokens: int) -> float:
         """Host attention seconds of that many decodes: the profile's, corrected."""
-        return self.perf_model.cpu_attention(num_requests, context_tokens) * self.host_calibration.scale
+        return self.perf_model.host_attention(num_requests, context_tokens) * self.host_calibration.scale
 
     def _host_time(self, batch: SubBatch) -> float:
-        return self._host_attention(len(batch.cpu_decodes), sum(r.num_tokens for r in batch.cpu_decodes))
+        return self._host_attention(len(batch.host_decodes), sum(r.num_tokens for r in batch.host_decodes))
 
     def _sequential_time(self, batch: SubBatch, work: _GpuWork | None = None, host: float | None = None,
                          swaps: bool = False) -> float:
@@ -407,13 +407,13 @@ class OffloadScheduler(Scheduler):
             return graph
         work = self._gpu_work(batch) if work is None else work
         host = self._host_time(batch) if host is None else host
-        return (model.linear(work.linear_tokens + len(batch.cpu_decodes)) + work.attention_seconds + host
+        return (model.linear(work.linear_tokens + len(batch.host_decodes)) + work.attention_seconds + host
                 + model.iteration_overhead)
 
     def _graph_time(self, batch: SubBatch) -> float | None:
         """Seconds of a sub-batch of GPU decodes alone that the runner replays from a CUDA
         graph (see ``DecodeGraphs.can_run``); None for any other sub-batch."""
-        if batch.prefills or batch.cpu_decodes or not batch.gpu_decodes or not self.config.use_cuda_graphs:
+        if batch.prefills or batch.host_decodes or not batch.gpu_decodes or not self.config.use_cuda_graphs:
             return None
         if not self._gpu_tables_fit_graphs(batch):
             return None
@@ -436,8 +436,8 @@ class OffloadScheduler(Scheduler):
         swaps = bool(plan.swap_in or plan.swap_out)
         if len(plan.sub_batches) == 2:
             batch0, batch1 = plan.sub_batches
-            seconds = self._two_batch_seconds(self._gpu_work(batch0), len(batch0.cpu_decodes),
-                                              len(batch1.cpu_decodes), host[0], host[1],
+            seconds = self._two_batch_seconds(self._gpu_work(batch0), len(batch0.host_decodes),
+                                              len(batch1.host_decodes), host[0], host[1],
                                               self._replays_pipeline_graph(batch0, swaps))
         else:
             seconds = self._sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0

@@ -5,7 +5,7 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
 - ``linear``: GPU time of the pre/post-attention stages vs tokens in the sub-batch.
 - ``gpu_attention``: GPU decode-attention time vs context tokens of the GPU decodes.
 - ``prefill_attention``: GPU prefill-attention time vs prompt length (one prompt).
-- ``cpu_attention``: host decode-attention time vs (requests, context tokens): per request
+- ``host_attention``: host decode-attention time vs (requests, context tokens): per request
   count a row of (context tokens, seconds) points, interpolated within each row, then
   across the rows.
 - ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
@@ -14,7 +14,7 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
   a CUDA graph (``PipelineGraphs``): no launches, so it may be negative (the replay runs
   faster than the eagerly timed stages add up to).
 - ``host_batch_overhead``: extra time of a host batch of the async host pipeline over its
-  stage times (``linear`` + ``cpu_attention``, which follow one another): launches, hand-offs,
+  stage times (``linear`` + ``host_attention``, which follow one another): launches, hand-offs,
   the pipeline graph's replay.
 - ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
   requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
@@ -74,9 +74,9 @@ class PerfTable:
     gpu_attention_seconds: list[float] = field(default_factory=list)
     prefill_lengths: list[float] = field(default_factory=list)
     prefill_seconds: list[float] = field(default_factory=list)
-    cpu_attention_requests: list[float] = field(default_factory=list)
-    cpu_attention_tokens: list[list[float]] = field(default_factory=list)  # [requests][points]
-    cpu_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][points]
+    host_attention_requests: list[float] = field(default_factory=list)
+    host_attention_tokens: list[list[float]] = field(default_factory=list)  # [requests][points]
+    host_attention_seconds: list[list[float]] = field(default_factory=list)  # [requests][points]
     pipeline_overhead: float = 0.0
     pipeline_graph_overhead: float = 0.0
     iteration_overhead: float = 0.0
@@ -123,15 +123,15 @@ class PerfModel:
         return sum(interpolate(self.table.prefill_lengths, self.table.prefill_seconds, length)
                    for length in prompt_lengths)
 
-    def cpu_attention(self, num_requests: int, context_tokens: int) -> float:
+    def host_attention(self, num_requests: int, context_tokens: int) -> float:
         table = self.table
-        requests = table.cpu_attention_requests
+        requests = table.host_attention_requests
         if num_requests == 0 or not requests:
             return 0.0
         # Only the rows ``interpolate`` uses across the request counts are evaluated (the
         # scheduler asks this several times per host request per iteration).
         rows = bracket(requests, num_requests)
-        per_row = [interpolate(table.cpu_attention_tokens[row], table.cpu_attention_seconds[row], context_tokens)
+        per_row = [interpolate(table.host_attention_tokens[row], table.host_attention_seconds[row], context_tokens)
                    for row in rows]
         return interpolate([requests[row] for row in rows], per_row, num_requests)
 

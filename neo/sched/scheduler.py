@@ -8,7 +8,7 @@ from neo.config import EngineConfig
 from neo.request import KVLocation, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SubBatch
 
-GPU, CPU = KVLocation.GPU, KVLocation.CPU
+GPU, HOST = KVLocation.GPU, KVLocation.HOST
 logger = logging.getLogger(__name__)
 
 
@@ -102,10 +102,10 @@ class Scheduler:
             self.finish(request, "length")
             output.finished.append(request)
             return
-        if self.block_manager.can_move(request, CPU):
+        if self.block_manager.can_move(request, HOST):
             request.num_preemptions += 1
             self.num_preemptions += 1
-            output.swap_out += self.block_manager.move(request, CPU)
+            output.swap_out += self.block_manager.move(request, HOST)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
         else:  # no room on the host either: drop the KV and prefill again later

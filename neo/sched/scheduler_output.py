@@ -11,12 +11,12 @@ class SubBatch:
 
     ``prefills`` already have blocks in their destination pool (``request.location``): a prefill
     whose location is the host pool computes on the compute device and has its KV copied out
-    layer by layer. ``gpu_decodes`` attend on the compute device, ``cpu_decodes`` on the host.
+    layer by layer. ``gpu_decodes`` attend on the compute device, ``host_decodes`` on the host.
     """
 
     prefills: list[Request] = field(default_factory=list)
     gpu_decodes: list[Request] = field(default_factory=list)
-    cpu_decodes: list[Request] = field(default_factory=list)
+    host_decodes: list[Request] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -24,14 +24,14 @@ class SubBatch:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.gpu_decodes) + len(self.cpu_decodes)
+        return self.num_prefill_tokens + len(self.gpu_decodes) + len(self.host_decodes)
 
     @property
     def requests(self) -> list[Request]:
-        return self.prefills + self.gpu_decodes + self.cpu_decodes
+        return self.prefills + self.gpu_decodes + self.host_decodes
 
     def __bool__(self) -> bool:
-        return bool(self.prefills or self.gpu_decodes or self.cpu_decodes)
+        return bool(self.prefills or self.gpu_decodes or self.host_decodes)
 
 
 @dataclass
@@ -43,8 +43,8 @@ class SchedulerOutput:
 
     sub_batches: list[SubBatch] = field(default_factory=list)
     host_batch: SubBatch | None = None
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, host_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block, gpu_block)
     finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
     predicted_time: float | None = None  # seconds, from the PerfModel (offloading policies)
     predicted_host_time: float | None = None  # of which host attention (both sub-batches)

@@ -62,11 +62,11 @@ class EngineStats:
     waiting: int
     swapped: int
     running_in_gpu_pool: int
-    running_in_cpu_pool: int
+    running_in_host_pool: int
     gpu_blocks_used: int
     gpu_blocks_total: int
-    cpu_blocks_used: int
-    cpu_blocks_total: int
+    host_blocks_used: int
+    host_blocks_total: int
     counters: dict
     token_window: tuple[float, int, float, int]
     window_seconds: float
@@ -382,11 +382,11 @@ class AsyncEngine:
         return EngineStats(
             running=len(scheduler.running), waiting=len(scheduler.waiting),
             swapped=len(scheduler.swapped), running_in_gpu_pool=in_gpu_pool,
-            running_in_cpu_pool=len(scheduler.running) - in_gpu_pool,
+            running_in_host_pool=len(scheduler.running) - in_gpu_pool,
             gpu_blocks_used=pools[KVLocation.GPU].num_used,
             gpu_blocks_total=pools[KVLocation.GPU].num_blocks,
-            cpu_blocks_used=pools[KVLocation.CPU].num_used,
-            cpu_blocks_total=pools[KVLocation.CPU].num_blocks,
+            host_blocks_used=pools[KVLocation.HOST].num_used,
+            host_blocks_total=pools[KVLocation.HOST].num_blocks,
             counters=dataclasses.asdict(engine.metrics),
             token_window=(*samples[0], *samples[-1]),
             window_seconds=self.stats_window_seconds)

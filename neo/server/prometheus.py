@@ -14,7 +14,7 @@ COUNTER_HELP = {
     "host_batches": "Host decode batches of the async host pipeline completed.",
     "prefill_tokens": "Prompt tokens prefilled.",
     "gpu_decode_tokens": "Decode tokens whose attention ran on the compute device.",
-    "cpu_decode_tokens": "Decode tokens whose attention ran on the host CPU.",
+    "host_decode_tokens": "Decode tokens whose attention ran on the host CPU.",
     "blocks_swapped_out": "KV blocks swapped from the compute-device pool to the host pool.",
     "blocks_swapped_in": "KV blocks swapped from the host pool back to the compute-device pool.",
     "preemptions": "Requests preempted.",
@@ -61,11 +61,11 @@ def render(stats: EngineStats, info: dict[str, str], now: float | None = None) -
                [({}, float(stats.swapped))])
     out.metric("neo_requests_in_kv_pool", "gauge",
                "Running requests by the pool their KV cache is in (gpu: compute device, "
-               "cpu: host, decoded by the CPU).",
+               "host: host memory, decoded by the host CPU).",
                [({"pool": "gpu"}, float(stats.running_in_gpu_pool)),
-                ({"pool": "cpu"}, float(stats.running_in_cpu_pool))])
+                ({"pool": "host"}, float(stats.running_in_host_pool))])
     pools = {"gpu": (stats.gpu_blocks_used, stats.gpu_blocks_total),
-             "cpu": (stats.cpu_blocks_used, stats.cpu_blocks_total)}
+             "host": (stats.host_blocks_used, stats.host_blocks_total)}
     out.metric("neo_kv_cache_usage_ratio", "gauge", "Fraction of the KV pool's blocks in use.",
                [({"pool": pool}, used / total if total else 0.0)
                 for pool, (used, total) in pools.items()])

@@ -14,7 +14,7 @@ def default_cpu_attention_threads() -> int:
     return max(1, (available or 1) - 1)
 
 
-class CpuAttentionWorker:
+class HostAttentionWorker:
     """One worker thread; tasks run in submission order, each may use ``num_threads`` cores.
 
     The ops it calls release the GIL, so the main thread keeps launching GPU work meanwhile.
