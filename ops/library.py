@@ -4,8 +4,9 @@
 ``CompositeExplicitAutograd`` kernel (any device), and compiled kernels registered for the CPU
 or CUDA dispatch key take precedence on their device. Every implementation is also declared
 under its own namespace (``torch.ops.neo_reference.<op>``, ``torch.ops.neo_numba.<op>``,
-``torch.ops.neo_ispc.<op>``, ``torch.ops.neo_cuda.<op>``), declared by ``registry`` when that
-implementation is available, so tests and benchmarks can call each one by name.
+``torch.ops.neo_ispc.<op>``, ``torch.ops.neo_cuda.<op>``, and ``torch.ops.neo_<name>.<op>`` for
+a kernel added with ``neo.ops.register_kernel``), declared by ``registry`` when that
+implementation is available, so tests, benchmarks and the engine can call each one by name.
 """
 
 import torch
@@ -14,22 +15,32 @@ from torch.library import Library
 from . import checks
 from .schemas import SCHEMAS
 
-_libraries: dict[str, Library] = {}
+_libraries: dict[str, list[Library]] = {}
 
 
 def declare(namespace: str, op_names) -> Library:
-    """Declare ``op_names`` (schemas from ``SCHEMAS``, with fake kernels) in ``namespace``."""
-    library = Library(namespace, "DEF")
+    """Declare ``op_names`` (schemas from ``SCHEMAS``, with fake kernels) in ``namespace``.
+
+    A namespace has one defining library: the first declaration in a namespace creates it, a
+    later one (another op of a kernel added by name) adds a fragment to it. Returns the library
+    that holds the new declarations."""
+    kind = "FRAGMENT" if namespace in _libraries else "DEF"
+    library = Library(namespace, kind)
     for name in op_names:
         library.define(name + SCHEMAS[name])
         torch.library.register_fake(f"{namespace}::{name}", FAKE_KERNELS[name], lib=library)
-    _libraries[namespace] = library
+    _libraries.setdefault(namespace, []).append(library)
     return library
 
 
 def library(namespace: str) -> Library:
-    """The ``Library`` object of a declared namespace (for registering kernels from Python)."""
-    return _libraries[namespace]
+    """The defining ``Library`` of a declared namespace (for registering kernels from Python)."""
+    return _libraries[namespace][0]
+
+
+def is_declared(qualified_name: str) -> bool:
+    """Whether an op named ``namespace::op`` has a schema, whoever declared it."""
+    return bool(torch._C._jit_get_schemas_for_operator(qualified_name))
 
 
 # Fake kernels: every op writes into its arguments and returns nothing, so a fake kernel only

@@ -8,10 +8,19 @@
 //
 // queues on the copy stream, behind an event recorded on the current (compute) stream:
 // the copies of the sub-batch's host-decode rows into the pinned buffers, a CUDA host function
-// that stores the new K/V into the host cache and runs paged decode attention there with the
-// CPU kernels of torch.ops.neo (ISPC), the copy of the result into output_rows, and an event
-// that stage.finish() makes the compute stream wait for. No Python and no GIL run between the
-// layers, and the launching thread never blocks on the host.
+// that stores the new K/V into the host cache and runs paged decode attention there, the copy
+// of the result into output_rows, and an event that stage.finish() makes the compute stream
+// wait for. No Python and no GIL run between the layers, and the launching thread never blocks
+// on the host.
+//
+// The host function calls the two CPU kernels the stage was constructed with, named by their
+// operators (one implementation's ops, such as "neo_ispc::paged_decode_attention" and
+// "neo_ispc::store_kv_cache": neo.ops' Implementation.qualified_name), not whatever
+// torch.ops.neo dispatches to. They are looked up once, when the stage is constructed, and must
+// have the schemas of neo::paged_decode_attention and neo::store_kv_cache and a CPU kernel. They
+// must be compiled kernels (neo.ops' Implementation.native): a host function runs on a thread of
+// the CUDA driver that must never wait for the GIL, which a kernel written in Python takes. The
+// caller chooses them, since the dispatcher does not tell the two kinds apart.
 //
 // The host function reads how many rows are real from the `num_decodes` buffer at run time, so the
 // same calls captured in a CUDA graph (the copies become memcpy nodes, the host function a host
@@ -27,10 +36,12 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -62,6 +73,32 @@ void check_host(const at::Tensor& tensor, const char* name, at::ScalarType dtype
                     tensor.device());
 }
 
+// The CPU kernels' signatures, as the schemas in ops/schemas.py give them.
+using StoreKvCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                          const at::Tensor&);
+using PagedDecodeAttention = void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+
+// The operator `name` (the constructor's argument `<op>_op`), checked to be declared, to have
+// the schema of neo::<op> (in whatever namespace) and to have a CPU kernel.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_cpu_kernel(const std::string& name, const std::string& op) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const auto expected = dispatcher.findSchema({"neo::" + op, ""});
+  TORCH_CHECK_VALUE(expected.has_value(), kName, ": neo::", op,
+                    " is not declared; import neo.ops before creating a stage");
+  const auto handle = dispatcher.findSchema({name, ""});
+  TORCH_CHECK_VALUE(handle.has_value(), kName, ": ", op, "_op names no declared operator: '", name,
+                    "' (expected one implementation's op, such as neo_ispc::", op, ")");
+  const c10::FunctionSchema& schema = handle->schema();
+  TORCH_CHECK_VALUE(
+      expected->schema().cloneWithName(schema.name(), schema.overload_name()) == schema, kName,
+      ": ", op, "_op '", name, "' does not have the schema of neo::", op, ": ", schema);
+  TORCH_CHECK_VALUE(handle->hasKernelForDispatchKey(c10::DispatchKey::CPU), kName, ": ", op,
+                    "_op '", name, "' has no CPU kernel (the stage calls a compiled CPU kernel)");
+  return handle->typed<Signature>();
+}
+
 class HostDecodeStage;
 
 // What one layer's host function needs: its stage and that layer's host cache.
@@ -76,18 +113,24 @@ class HostDecodeStage : public torch::CustomClassHolder {
   // slot's iteration (rows [0, num_decodes[0]) are read): slot_mapping int64 [R]; block_table
   // int32 [R, max_blocks]; seq_lens int32 [R]; num_decodes int64 [1]. failure uint8 [>= 2] and
   // host_seconds float64 [1] are shared by the stages of one executor. The copy stream is
-  // given by its (id, device index, device type) as torch.cuda.Stream reports them.
+  // given by its (id, device index, device type) as torch.cuda.Stream reports them. The CPU
+  // kernels the host functions call come last, by operator name (see the file comment).
   HostDecodeStage(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor output,
                   at::Tensor slot_mapping, at::Tensor block_table, at::Tensor seq_lens,
                   at::Tensor num_decodes, at::Tensor failure, at::Tensor host_seconds,
                   double scale, int64_t num_threads, int64_t num_layers, int64_t copy_stream_id,
-                  int64_t copy_stream_device_index, int64_t copy_stream_device_type)
+                  int64_t copy_stream_device_index, int64_t copy_stream_device_type,
+                  const std::string& paged_decode_attention_op,
+                  const std::string& store_kv_cache_op)
       : query_(std::move(query)), key_(std::move(key)), value_(std::move(value)),
         output_(std::move(output)), slot_mapping_(std::move(slot_mapping)),
         block_table_(std::move(block_table)), seq_lens_(std::move(seq_lens)),
         num_decodes_(std::move(num_decodes)), failure_(std::move(failure)),
         host_seconds_(std::move(host_seconds)), scale_(scale),
         num_threads_(num_threads),
+        attention_(find_cpu_kernel<PagedDecodeAttention>(paged_decode_attention_op,
+                                                         "paged_decode_attention")),
+        store_(find_cpu_kernel<StoreKvCache>(store_kv_cache_op, "store_kv_cache")),
         copy_stream_(c10::cuda::CUDAStream::unpack3(
             copy_stream_id, static_cast<c10::DeviceIndex>(copy_stream_device_index),
             static_cast<c10::DeviceType>(copy_stream_device_type))) {
@@ -210,26 +253,18 @@ class HostDecodeStage : public torch::CustomClassHolder {
     try {
       c10::InferenceMode inference_mode;
       if (at::get_num_threads() != num_threads_) at::set_num_threads(num_threads_);
-      static const auto store = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("neo::store_kv_cache", "")
-                                    .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                                at::Tensor&, const at::Tensor&)>();
-      static const auto attention =
-          c10::Dispatcher::singleton()
-              .findSchemaOrThrow("neo::paged_decode_attention", "")
-              .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, double)>();
       const int64_t decodes = num_decodes_.data_ptr<int64_t>()[0];
       TORCH_CHECK_VALUE(decodes >= 0 && decodes <= query_.size(0), kName, ": num_decodes ",
                         decodes, " is outside [0, ", query_.size(0), "]");
       at::Tensor k_cache = call.k_cache;
       at::Tensor v_cache = call.v_cache;
       if (decodes > 0) {
-        store.call(key_.narrow(0, 0, decodes), value_.narrow(0, 0, decodes), k_cache, v_cache,
-                   slot_mapping_.narrow(0, 0, decodes));
+        store_.call(key_.narrow(0, 0, decodes), value_.narrow(0, 0, decodes), k_cache, v_cache,
+                    slot_mapping_.narrow(0, 0, decodes));
         at::Tensor output = output_.narrow(0, 0, decodes);
-        attention.call(output, query_.narrow(0, 0, decodes), k_cache, v_cache,
-                       block_table_.narrow(0, 0, decodes), seq_lens_.narrow(0, 0, decodes), scale_);
+        attention_.call(output, query_.narrow(0, 0, decodes), k_cache, v_cache,
+                        block_table_.narrow(0, 0, decodes), seq_lens_.narrow(0, 0, decodes),
+                        scale_);
       }
     } catch (const std::exception& error) {
       record_failure(failure_, error.what());
@@ -245,6 +280,8 @@ class HostDecodeStage : public torch::CustomClassHolder {
   at::Tensor failure_, host_seconds_;
   double scale_;
   int64_t num_threads_;
+  c10::TypedOperatorHandle<PagedDecodeAttention> attention_;  // the CPU kernels
+  c10::TypedOperatorHandle<StoreKvCache> store_;
   c10::cuda::CUDAStream copy_stream_;
   std::vector<LayerCall> calls_;  // one per layer; never resized (host nodes point into it)
   cudaEvent_t ready_ = nullptr;
@@ -257,7 +294,7 @@ TORCH_LIBRARY(neo_pipeline, library) {
   library.class_<HostDecodeStage>("HostDecodeStage")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                        at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t,
-                       int64_t, int64_t, int64_t>())
+                       int64_t, int64_t, int64_t, std::string, std::string>())
       .def("start", &HostDecodeStage::start)
       .def("finish", &HostDecodeStage::finish);
 }

@@ -2,21 +2,28 @@
 
 Queued directly and captured in a CUDA graph, its output rows and host cache equal the
 pure-torch reference's (store the new K/V, then paged decode attention over the host cache);
-a replay attends only over the rows the host metadata names at run time. Skipped without CUDA
-or without the ISPC kernels (the stage runs the CPU kernels of torch.ops.neo in CUDA host
-functions, which only compiled kernels may do).
+a replay attends only over the rows the host metadata names at run time. The stage calls the
+CPU kernels it is constructed with (the ISPC ones here), by operator name, whatever
+torch.ops.neo dispatches to. Skipped without CUDA or without the ISPC kernels (CUDA host
+functions may call only compiled kernels).
 """
+
+import re
+import warnings
 
 import pytest
 import torch
+from torch.library import Library
 
+import neo.ops
 from neo.runner.executor import FAILURE_MESSAGE_BYTES, _HostRowBuffers, host_stage_available
-from neo.ops import dispatched, reference
+from neo.ops import reference
 
 from conftest import assert_close, random_paged_kv, random_tensor
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 8, 2, 64, 16, 3
 CAPACITY, MAX_BLOCKS = 8, 8
+HOST_OPS = ("paged_decode_attention", "store_kv_cache")  # in the order the stage takes their kernels
 
 
 def skip_reason() -> str | None:
@@ -24,12 +31,27 @@ def skip_reason() -> str | None:
         return "CUDA is not available (torch.cuda.is_available() is False)"
     if not host_stage_available():
         return "cuda: not built (no neo_pipeline.HostDecodeStage)"
-    if dispatched("paged_decode_attention", "cpu") != "ispc":
-        return "ispc: not built (the host stage runs only the compiled CPU kernels)"
+    for op in HOST_OPS:
+        try:
+            neo.ops.select_implementation(op, "cpu", "ispc")
+        except ValueError as error:
+            return f"{error} (the host stage runs compiled CPU kernels)"
     return None
 
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+def ispc_kernels() -> tuple[str, ...]:
+    """The stage's last two arguments: the operators of the ISPC kernels, which it calls."""
+    return tuple(neo.ops.select_implementation(op, "cpu", "ispc").qualified_name for op in HOST_OPS)
+
+
+def make_stage(slot, failure, seconds, stream, kernels):
+    return torch.classes.neo_pipeline.HostDecodeStage(
+        slot.query, slot.key, slot.value, slot.output, slot.slot_mapping, slot.block_table, slot.seq_lens,
+        slot.num_decodes, failure, seconds, HEAD_DIM ** -0.5, 2, NUM_LAYERS, stream.stream_id,
+        stream.device_index, stream.device_type, *kernels)
 
 
 class Setup:
@@ -47,11 +69,7 @@ class Setup:
         self.slot = _HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
         self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.seconds = torch.zeros(1, dtype=torch.float64)
-        stream = self.copy_stream
-        self.stage = torch.classes.neo_pipeline.HostDecodeStage(
-            self.slot.query, self.slot.key, self.slot.value, self.slot.output, self.slot.slot_mapping,
-            self.slot.block_table, self.slot.seq_lens, self.slot.num_decodes, self.failure, self.seconds,
-            HEAD_DIM ** -0.5, 2, NUM_LAYERS, stream.stream_id, stream.device_index, stream.device_type)
+        self.stage = make_stage(self.slot, self.failure, self.seconds, self.copy_stream, ispc_kernels())
 
     def load(self, rows: int) -> None:
         """Host metadata of the first ``rows`` sequences, each decoding its last token (the
@@ -158,3 +176,51 @@ def test_bad_calls_raise(case, generator):
         q, out = q[..., :32].contiguous(), out[..., :32].contiguous()
     with pytest.raises((ValueError, RuntimeError), match="HostDecodeStage"):
         setup.stage.start(layer, q, k, v, out, setup.paged.k_cache, setup.paged.v_cache)
+
+
+def test_stage_runs_the_named_kernels_not_torch_ops_neo(generator):
+    """With torch.ops.neo's CPU kernels replaced by ones that fail, the stage, made with the
+    ISPC kernels' names, still stores and attends with the ISPC kernels."""
+    setup = Setup(generator)
+    setup.load(4)
+    q, k, v = setup.rows(4)
+    out = torch.full_like(q, float("nan"))
+    k_cache, v_cache = setup.paged.k_cache.clone(), setup.paged.v_cache.clone()
+    expected, expected_k, expected_v = setup.expected(q, k, v, 4)
+    calls = []
+
+    def replaced(*arguments):
+        calls.append(len(arguments))
+        raise RuntimeError("torch.ops.neo's CPU kernel was called")
+
+    replacement = Library("neo", "IMPL")
+    with warnings.catch_warnings():  # torch warns of the override
+        warnings.simplefilter("ignore")
+        for op in HOST_OPS:
+            replacement.impl(op, replaced, "CPU")
+    try:
+        setup.stage.start(0, q, k, v, out, k_cache, v_cache)
+        setup.stage.finish()
+        torch.cuda.synchronize()
+    finally:
+        del replacement  # deregisters its kernels
+    assert neo.ops.dispatched("paged_decode_attention", "cpu") == "ispc"
+    assert not calls and setup.failure[0] == 0
+    assert_close(out.cpu(), expected, torch.float32)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize(("kernels", "message"), [
+    (("neo_missing::paged_decode_attention", "neo_ispc::store_kv_cache"),
+     "paged_decode_attention_op names no declared operator: 'neo_missing::paged_decode_attention'"),
+    (("neo_ispc::paged_decode_attention", "neo_ispc::paged_decode_attention"),
+     "store_kv_cache_op 'neo_ispc::paged_decode_attention' does not have the schema of neo::store_kv_cache"),
+    (("neo_reference::paged_decode_attention", "neo_ispc::store_kv_cache"),
+     "paged_decode_attention_op 'neo_reference::paged_decode_attention' has no CPU kernel"),
+], ids=["unknown-op", "wrong-schema", "no-cpu-kernel"])
+def test_bad_kernel_names_raise(kernels, message):
+    slot = _HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float32)
+    failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
+    seconds = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(message)):
+        make_stage(slot, failure, seconds, torch.cuda.Stream(), kernels)

@@ -1,5 +1,8 @@
 """The implementation registry: what ``python -m neo.ops`` lists, what ``implementations()`` and
-``dispatched()`` say, and that they agree with each other and with torch's dispatcher."""
+``dispatched()`` say, and that they agree with each other and with torch's dispatcher.
+
+Only the built-in implementations are checked here (kernels added by name in this process, by
+other test modules, are ``test_register_kernel``'s)."""
 
 import re
 import subprocess
@@ -13,11 +16,17 @@ import neo.ops
 # Highest precedence first: the kernel ``torch.ops.neo.<op>`` runs on a device is the first
 # available one that serves the device.
 PRECEDENCE = ("cuda", "ispc", "numba", "reference")
+NATIVE = {"cuda": True, "ispc": True, "numba": False, "reference": False}
 DEVICES = ("cpu", "cuda")
 
 
 def available(op, name):
     return any(impl.name == name for impl in neo.ops.implementations(op))
+
+
+def built_in(op, device=None, available_only=True):
+    return [impl for impl in neo.ops.implementations(op, device, available_only)
+            if impl.name in PRECEDENCE]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +46,14 @@ def op_section(listing, op):
 @pytest.mark.parametrize("op", neo.ops.OP_NAMES)
 def test_listing_shows_implementations_and_dispatch(listing, op):
     section = op_section(listing, op)
-    for implementation in neo.ops.implementations(op, available_only=False):
+    for implementation in built_in(op, available_only=False):
         state = "available" if implementation.available else \
             f"unavailable: {implementation.note}"
-        line = re.search(rf"^\s+{implementation.name}\s+(\S+)\s+(.*)$", section, re.M)
+        line = re.search(rf"^\s+{implementation.name}\s+(\S+)\s+(\S+)\s+(.*)$", section, re.M)
         assert line, f"{implementation.name} missing under neo.{op}:\n{section}"
         assert line.group(1) == "/".join(implementation.devices)
-        assert line.group(2) == state
+        assert line.group(2) == ("native" if NATIVE[implementation.name] else "python")
+        assert line.group(3) == state
     targets = ", ".join(f"{device} -> {neo.ops.dispatched(op, device)}" for device in DEVICES)
     assert f"torch.ops.neo.{op} dispatches to: {targets}" in section
 
@@ -51,7 +61,7 @@ def test_listing_shows_implementations_and_dispatch(listing, op):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", neo.ops.OP_NAMES)
 def test_dispatch_target_is_the_first_available_by_precedence(op, device):
-    serving = [impl.name for impl in neo.ops.implementations(op, device)]
+    serving = [impl.name for impl in built_in(op, device)]
     assert serving, f"no implementation of neo.{op} serves {device}"
     expected = min(serving, key=PRECEDENCE.index)
     assert neo.ops.dispatched(op, device) == expected
@@ -79,8 +89,38 @@ def test_dispatch_target_agrees_with_torch(op, device):
 
 
 @pytest.mark.parametrize("op", neo.ops.OP_NAMES)
+def test_native_marks_the_compiled_implementations(op):
+    for implementation in built_in(op, available_only=False):
+        assert implementation.native == NATIVE[implementation.name], implementation.label
+
+
+def test_without_ispc_the_numba_fallback_is_named():
+    """Without the ISPC extension, torch.ops.neo's CPU attention is numba's kernel (the
+    reference's where numba is missing), and dispatched() tells it from the reference."""
+    script = "\n".join([
+        "import sys",
+        "sys.modules['neo.ops._cpu_kernels'] = None  # importing the ISPC extension fails",
+        "import neo.ops",
+        "print(neo.ops.dispatched('paged_decode_attention', 'cpu'))",
+        "print(neo.ops.dispatched('store_kv_cache', 'cpu'))",
+        "try:",
+        "    neo.ops.select_implementation('paged_decode_attention', 'cpu', 'ispc')",
+        "except ValueError as error:",
+        "    print(error)",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    attention, store, error = result.stdout.splitlines()
+    assert attention == ("numba" if available("paged_decode_attention", "numba") else "reference")
+    assert store == "reference"
+    assert error.startswith("the ispc implementation of neo.paged_decode_attention is unavailable: "
+                            "not built"), error
+
+
+@pytest.mark.parametrize("op", neo.ops.OP_NAMES)
 def test_implementations_are_reachable_by_name(op):
     for implementation in neo.ops.implementations(op, available_only=False):
+        assert implementation.qualified_name == f"neo_{implementation.name}::{op}"
         if implementation.available:
             namespace = getattr(torch.ops, f"neo_{implementation.name}")
             assert implementation.function is getattr(namespace, op)
@@ -101,8 +141,10 @@ def test_device_filter_and_unknown_op():
         for device in DEVICES:
             for implementation in neo.ops.implementations(op, device):
                 assert implementation.available and device in implementation.devices
-    with pytest.raises(KeyError, match="unknown neo op"):
+    with pytest.raises(ValueError, match="unknown neo op"):
         neo.ops.implementations("no_such_op")
+    with pytest.raises(ValueError, match="unknown device"):
+        neo.ops.implementations("rms_norm", "tpu")
 
 
 def test_build_fingerprints_name_each_loaded_extension_by_its_file():
