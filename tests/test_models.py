@@ -182,7 +182,7 @@ def test_forward_refuses_host_decodes(tmp_path):
                              dtype=torch.float32)
     harness.run(model, [(0, "host", [3, 4, 5])], [])
     input_ids, meta = harness.build_step([], [], [(0, 6)])
-    with pytest.raises(ValueError, match="1 CPU decodes"):
+    with pytest.raises(ValueError, match="1 host decodes"):
         model(input_ids, meta, harness.kv_caches())
 
 
