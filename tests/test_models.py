@@ -148,7 +148,7 @@ def test_config_errors(bad, message):
 
 
 PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "llama-2-7b": 6.74e9,
-                        "qwen2.5-32b": 32.76e9}
+                        "qwen2.5-32b": 32.76e9, "qwen3-8b": 8.19e9, "mistral-7b-v0.3": 7.25e9}
 
 
 def test_shipped_configs():
@@ -162,6 +162,13 @@ def test_shipped_configs():
     assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.dtype == torch.float16
     assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads,
             qwen.head_dim, qwen.vocab_size) == (5120, 64, 40, 8, 128, 152064)
+    qwen3 = resolve_model_config("qwen3-8b")
+    assert (qwen3.architecture, qwen3.head_dim, qwen3.num_kv_heads, qwen3.rms_norm_eps,
+            qwen3.max_position_embeddings) == ("Qwen3ForCausalLM", 128, 8, 1e-6, 40960)
+    assert not (qwen3.qkv_bias or qwen3.o_proj_bias or qwen3.tie_word_embeddings)
+    mistral = resolve_model_config("mistral-7b-v0.3")
+    assert (mistral.architecture, mistral.vocab_size, mistral.rope_theta,
+            mistral.sliding_window) == ("MistralForCausalLM", 32768, 1e6, None)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
