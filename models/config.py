@@ -1,12 +1,15 @@
-"""``ModelConfig``: the shape of a Llama-family model, read from a Hugging Face ``config.json``."""
+"""``ModelConfig``: the shape of a model, read from a Hugging Face ``config.json``.
+
+What every family shares is read here; the facts that differ by family come from the family's
+row in the registry (``registry.py``), which this module imports only when a config is read or
+validated (the registry imports the layer modules, which import this one).
+"""
 
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
@@ -57,7 +60,8 @@ def read_rope_settings(config: dict) -> tuple[float, dict | None]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture and shapes of one model. Validated on creation."""
+    """Architecture and shapes of one model. Validated on creation (the architecture must be
+    in the registry)."""
 
     architecture: str
     vocab_size: int
@@ -74,6 +78,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None  # attention reaches this many tokens back; None: all
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -81,9 +86,9 @@ class ModelConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; neo supports "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        from .registry import model_family
+
+        model_family(self.architecture, source=self.name)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -96,6 +101,8 @@ class ModelConfig:
                              f"need a multiple of 16 up to 256")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or null, got {self.sliding_window}")
         if self.rope_scaling is not None:
             kind = rope_scaling_type(self.rope_scaling)
             if kind not in ("llama3", "default"):
@@ -120,32 +127,57 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * element
 
     def num_parameters(self) -> int:
-        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attention + mlp + 2 * self.hidden_size) + embeddings + self.hidden_size
+        """Weights of the model (a tied LM head counted once), counted on a model built on the
+        meta device, so every family's own weights count."""
+        from .causal_lm import CausalLM
+
+        model = CausalLM(self, dtype=self.dtype, device="meta", max_positions=1)
+        return sum(parameter.numel() for parameter in model.parameters())
+
+    def context_length(self, max_positions: int | None = None) -> int:
+        """The positions a model built for ``max_positions`` serves: ``max_positions`` capped
+        at ``max_position_embeddings`` (None: ``max_position_embeddings``).
+
+        neo's attention is full causal attention. A model with a ``sliding_window`` attends
+        only to the last ``sliding_window`` positions; the two agree while every sequence fits
+        in the window, so a window below the context length is a ``ValueError``.
+        """
+        if max_positions is not None and max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {max_positions}")
+        length = self.max_position_embeddings
+        if max_positions is not None:
+            length = min(length, max_positions)
+        if self.sliding_window is not None and self.sliding_window < length:
+            source = ("max_positions (the engine's max_model_len)" if max_positions is not None
+                      and max_positions < self.max_position_embeddings
+                      else "max_position_embeddings")
+            raise ValueError(
+                f"{self.name or self.architecture} attends within a sliding window of "
+                f"{self.sliding_window} tokens, but the context length in use is {length} tokens "
+                f"(its {source}); neo has no sliding-window attention and matches the model only "
+                f"while every sequence fits in the window: pass max_model_len <= "
+                f"{self.sliding_window}")
+        return length
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "") -> "ModelConfig":
         """Build from the dict of a Hugging Face ``config.json``."""
+        from .registry import model_family
+
         architectures = config.get("architectures") or [config.get("model_type", "?")]
         architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {architecture!r} in {name or 'config'}; "
-                             f"neo supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = model_family(architecture, source=name or "config")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; neo's MLP is "
                              f"SiLU-gated")
-        if config.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
         num_heads = config["num_attention_heads"]
         hidden_size = config["hidden_size"]
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = bool(config.get("attention_bias", False))
         dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         rope_theta, rope_scaling = read_rope_settings(config)
+        family_fields = {"head_dim": config.get("head_dim") or hidden_size // num_heads,
+                         **family.read_config(config)}
         return cls(
             architecture=architecture,
             vocab_size=config["vocab_size"],
@@ -154,14 +186,11 @@ class ModelConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden_size // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_proj_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            **family_fields,
             rope_scaling=rope_scaling,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -17,16 +17,16 @@ beyond the memory-mapped files.
 import glob
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, parse_dtype
-
 from . import tiny
-from .llama import CausalLM
+from .causal_lm import CausalLM
+from .checkpoint import CheckpointTarget
+from .config import ModelConfig, parse_dtype
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,7 +84,8 @@ def load_model(model: str, *, dtype: torch.dtype | str, device: torch.device | s
     ``"safetensors"`` (directories only) or ``"dummy"`` (uniform(-1e-3, 1e-3) weights and unit
     norm weights of the real shapes, generated on ``device`` from ``seed``). ``max_positions``
     caps the rotary table (and so the longest sequence) below the config's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``; a model with a sliding window smaller than that context length
+    is refused (``ModelConfig.context_length``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of "
@@ -127,64 +128,6 @@ def initialize_dummy_weights(model: CausalLM, seed: int, bound: float = 1e-3) ->
                 parameter.uniform_(-bound, bound, generator=generator)
 
 
-@dataclass(frozen=True)
-class _Target:
-    """Where one checkpoint tensor goes: rows ``[row_start, row_start + shape[0])`` of
-    ``parameter``."""
-
-    parameter: torch.nn.Parameter
-    row_start: int
-    shape: tuple[int, ...]
-
-    def destination(self) -> torch.Tensor:
-        return self.parameter.narrow(0, self.row_start, self.shape[0])
-
-
-def _whole(parameter: torch.nn.Parameter) -> _Target:
-    return _Target(parameter, 0, tuple(parameter.shape))
-
-
-def _row_pieces(parameter: torch.nn.Parameter, prefix: str, suffix: str,
-                pieces: list[tuple[str, int]]) -> dict[str, _Target]:
-    """Targets of the stacked pieces of a fused ``parameter``; pieces are ``(name, rows)``."""
-    targets, start = {}, 0
-    for piece, rows in pieces:
-        targets[f"{prefix}{piece}.{suffix}"] = _Target(parameter, start,
-                                                       (rows,) + tuple(parameter.shape[1:]))
-        start += rows
-    return targets
-
-
-def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
-    """Hugging Face tensor name -> its place in ``model``, for every tensor a checkpoint needs."""
-    config = model.config
-    targets = {"model.embed_tokens.weight": _whole(model.embed_tokens_weight),
-               "model.norm.weight": _whole(model.final_norm_weight)}
-    if not config.tie_word_embeddings:
-        targets["lm_head.weight"] = _whole(model.lm_head_weight)
-    qkv_pieces = [("q_proj", config.q_size), ("k_proj", config.kv_size),
-                  ("v_proj", config.kv_size)]
-    gate_up_pieces = [("gate_proj", config.intermediate_size),
-                      ("up_proj", config.intermediate_size)]
-    for index, layer in enumerate(model.layers):
-        prefix = f"model.layers.{index}."
-        targets[prefix + "input_layernorm.weight"] = _whole(layer.input_norm_weight)
-        targets[prefix + "post_attention_layernorm.weight"] = _whole(
-            layer.post_attention_norm_weight)
-        for suffix in ("weight", "bias"):
-            qkv = getattr(layer, f"qkv_proj_{suffix}")
-            gate_up = getattr(layer, f"gate_up_proj_{suffix}")
-            if qkv is not None:
-                targets.update(_row_pieces(qkv, prefix + "self_attn.", suffix, qkv_pieces))
-            if gate_up is not None:
-                targets.update(_row_pieces(gate_up, prefix + "mlp.", suffix, gate_up_pieces))
-            for name, parameter in ((f"self_attn.o_proj.{suffix}", f"o_proj_{suffix}"),
-                                    (f"mlp.down_proj.{suffix}", f"down_proj_{suffix}")):
-                if getattr(layer, parameter) is not None:
-                    targets[prefix + name] = _whole(getattr(layer, parameter))
-    return targets
-
-
 def _ignorable(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that neo does not use."""
     if name.endswith(_IGNORED_SUFFIXES):
@@ -197,13 +140,14 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def verify_checkpoint_names(model: CausalLM, names, source: str = "") -> dict[str, _Target]:
+def verify_checkpoint_names(model: CausalLM, names,
+                            source: str = "") -> dict[str, CheckpointTarget]:
     """The targets of ``model``'s checkpoint tensors, after checking a checkpoint's tensor names.
 
     Raises a ``ValueError`` naming the tensors when ``names`` (every tensor the checkpoint
     holds) lacks some the model needs or holds some it does not know.
     """
-    targets = checkpoint_targets(model)
+    targets = model.checkpoint_targets()
     present = set(names)
     missing = [name for name in targets if name not in present]
     unexpected = sorted(name for name in present
@@ -220,7 +164,7 @@ def verify_checkpoint_names(model: CausalLM, names, source: str = "") -> dict[st
     return targets
 
 
-def copy_checkpoint_tensor(target: _Target, name: str, tensor: torch.Tensor) -> None:
+def copy_checkpoint_tensor(target: CheckpointTarget, name: str, tensor: torch.Tensor) -> None:
     """Copy one checkpoint tensor into its place (converting dtype and device)."""
     if tuple(tensor.shape) != target.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config "

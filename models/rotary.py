@@ -1,7 +1,7 @@
 """Rotary position embedding: the cos/sin table that ``torch.ops.neo.rotary_embedding`` reads.
 
-The table is computed the way Hugging Face transformers computes it for Llama and Qwen2, so
-float32 results agree with it to the last bit or so: inverse frequencies
+The table is computed the way Hugging Face transformers computes it for Llama, Qwen2, Qwen3
+and Mistral, so float32 results agree with it to the last bit or so: inverse frequencies
 ``1 / theta ** (arange(0, D, 2) / D)`` in float32 (optionally reshaped by the ``llama3`` rope
 scaling of Llama 3.1+), angles ``position * inverse_frequency`` in float32, then cos and sin.
 It is always computed on the CPU (the same numbers on every device) and then moved.
@@ -57,20 +57,14 @@ def cos_sin_table(config: ModelConfig, num_positions: int) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Holds the cos/sin table (a non-persistent float32 buffer) on the model's device.
 
-    The table has ``min(max_positions, config.max_position_embeddings)`` rows, so a model
-    served with short contexts does not hold 128K rows. Positions must stay below
-    ``num_positions``. Build the model on its final device: ``.to(dtype)`` on the model would
-    also convert this table, which must stay float32.
+    The table has ``num_positions`` rows (the model's context length,
+    ``ModelConfig.context_length``), so a model served with short contexts does not hold 128K
+    rows. Positions must stay below ``num_positions``. Build the model on its final device:
+    ``.to(dtype)`` on the model would also convert this table, which must stay float32.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str,
-                 max_positions: int | None = None):
+    def __init__(self, config: ModelConfig, device: torch.device | str, num_positions: int):
         super().__init__()
-        num_positions = config.max_position_embeddings
-        if max_positions is not None:
-            if max_positions <= 0:
-                raise ValueError(f"max_positions must be positive, got {max_positions}")
-            num_positions = min(num_positions, max_positions)
         self.num_positions = num_positions
         device = torch.device(device)
         if device.type == "meta":

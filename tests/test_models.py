@@ -1,157 +1,28 @@
 """Models and weight loading against Hugging Face transformers (CPU, float32).
 
-Each architecture variant is built as a tiny random transformers model, saved with
-``save_pretrained``, loaded with ``load_model``, and run through packed prefills, mixed
-prefill + decode steps and decode steps over a paged cache with shuffled block tables; every
-token's logits must equal transformers' within float32 rounding.
+Each architecture variant (``model_reference.VARIANTS``: Llama 2/3.1/3.2, Qwen2, Qwen3,
+Mistral) is built as a tiny random transformers model, saved with ``save_pretrained``, loaded
+with ``load_model``, and run through packed prefills, mixed prefill + decode steps and decode
+steps over a paged cache with shuffled block tables; every token's logits must equal
+transformers' within float32 rounding.
 """
 
 import json
-import math
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from model_harness import PagedKVHarness
+from model_reference import BLOCK_SIZE, LLAMA3_SCALING, VARIANTS, run_schedule, save_variant
 from neo.models.config import ModelConfig
 from neo.models import loader, tiny
 from neo.models.loader import load_model, resolve_model_config
 from neo.models.rotary import cos_sin_table
 from neo.tokenizer import Tokenizer, load_tokenizer
-
-BLOCK_SIZE = 8
-# Relative to the largest reference logit: float32 rounding differences between a fused and
-# an unfused computation stay below 1e-6 of it; a wrong weight, position or mask is > 1e-1.
-LOGIT_TOLERANCE = 1e-5
-
-_COMMON = dict(hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=256, bos_token_id=1,
-               eos_token_id=2)
-_LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=32)
-VARIANTS = {
-    # Llama 2: multi-head attention, plain RoPE.
-    "llama2": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, **_COMMON)),
-    # Llama 3.1: GQA, rope_theta 500000, llama3 rope scaling (all three frequency bands).
-    "llama3.1": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0,
-        rope_scaling=dict(_LLAMA3_SCALING), **_COMMON)),
-    # Llama 3.2: tied embeddings, GQA 4:1, llama3 scaling with factor 32.
-    "llama3.2": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=112, hidden_size=128, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_SCALING, "factor": 32.0}, tie_word_embeddings=True, **_COMMON)),
-    # Qwen2: bias on q/k/v, GQA, rope_theta 1e6.
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config(
-        vocab_size=120, hidden_size=96, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, rope_theta=1000000.0, **_COMMON)),
-    # Llama with attention_bias (q/k/v/o biases) and mlp_bias.
-    "llama-biases": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
-        rope_theta=10000.0, **_COMMON)),
-}
-SHARDED = {"llama3.1", "qwen2"}
-
-# Prompts of different lengths (one exactly a block, one a single token) and the tokens fed
-# as decodes afterwards. Steps: (sequences prefilled, sequences decoded), in token order.
-PROMPT_LENGTHS = [5, 17, 1, 8]
-CONTINUATION_LENGTH = 4
-STEPS = [([0, 1, 2], []), ([3], [0, 1, 2]), ([], [0, 1, 2, 3]), ([], [0, 1, 2, 3]),
-         ([], [0, 1, 2, 3])]
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Give every parameter of a transformers model random, non-trivial values.
-
-    Norm weights 1 +- 0.2 and biases ~ N(0, 0.2) (transformers initializes them to 1 and 0,
-    which would hide a misplaced norm or bias); linear weights ~ N(0, 1 / fan_in), larger for
-    query/key/LM head so attention and logits are not flat.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name:
-                uniform = torch.rand(parameter.shape, generator=generator) * 2 - 1
-                parameter.copy_(1 + 0.2 * uniform)
-            elif name.endswith("bias"):
-                parameter.copy_(0.2 * noise)
-            elif "embed_tokens" in name:
-                parameter.copy_(noise)
-            else:
-                gain = 2.0 if any(key in name for key in ("q_proj", "k_proj", "lm_head")) else 1.0
-                parameter.copy_(noise * gain / math.sqrt(parameter.shape[1]))
-
-
-def save_variant(name: str, directory) -> torch.nn.Module:
-    """Build, randomize and save one variant; returns the transformers model (eval, float32)."""
-    model_class, config = VARIANTS[name]
-    torch.manual_seed(0)
-    hf_model = model_class(config).to(torch.float32).eval()
-    randomize(hf_model, seed=len(name))
-    shard_size = "40KB" if name in SHARDED else "50GB"
-    hf_model.save_pretrained(directory, max_shard_size=shard_size)
-    has_index = os.path.isfile(os.path.join(directory, loader.INDEX_FILE))
-    assert has_index == (name in SHARDED), "the save did not produce the intended layout"
-    return hf_model
-
-
-def reference_logits(hf_model, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """transformers' float32 logits ``[len, vocab]`` of every position of each sequence."""
-    with torch.no_grad():
-        return [hf_model(torch.tensor([tokens])).logits[0].float() for tokens in sequences]
-
-
-def make_sequences(vocab_size: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(vocab_size, (length,), generator=generator).tolist()
-               for length in PROMPT_LENGTHS]
-    continuations = [torch.randint(vocab_size, (CONTINUATION_LENGTH,), generator=generator).tolist()
-                     for _ in PROMPT_LENGTHS]
-    return prompts, continuations
-
-
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.dtype == torch.float32 and actual.shape == expected.shape, what
-    scale = expected.abs().max().item()
-    error = (actual - expected).abs().max().item()
-    assert error <= LOGIT_TOLERANCE * scale, (
-        f"{what}: max |logit difference| {error:.3g} exceeds {LOGIT_TOLERANCE} x {scale:.3g}")
-
-
-def run_schedule(model, hf_model, *, steps=STEPS, host_sequences=(), seed=0) -> None:
-    """Run ``steps`` through neo and compare every token's logits with transformers'.
-
-    Sequences in ``host_sequences`` live in the host cache: prefilled with their K/V
-    offloaded, decoded as CPU decodes (stage by stage, like the pipeline).
-    """
-    prompts, continuations = make_sequences(model.config.vocab_size, seed)
-    full = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
-    expected_by_sequence = reference_logits(hf_model, full)
-    harness = PagedKVHarness(model.config, num_blocks=40, block_size=BLOCK_SIZE,
-                             dtype=torch.float32, seed=seed)
-    fed = {}
-    for step, (prefilled, decoded) in enumerate(steps):
-        prefills = [(i, "host" if i in host_sequences else "device", prompts[i]) for i in prefilled]
-        gpu_decodes = [(i, full[i][fed[i]]) for i in decoded if i not in host_sequences]
-        host_decodes = [(i, full[i][fed[i]]) for i in decoded if i in host_sequences]
-        expected = [expected_by_sequence[i][:len(prompts[i])] for i in prefilled]
-        expected += [expected_by_sequence[i][fed[i]:fed[i] + 1]
-                     for i, _ in gpu_decodes + host_decodes]
-        for i in prefilled:
-            fed[i] = len(prompts[i])
-        for i in decoded:
-            fed[i] += 1
-        logits = harness.run(model, prefills, gpu_decodes, host_decodes)
-        assert_logits_close(logits, torch.cat(expected), f"step {step}")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -168,9 +39,10 @@ def test_tied_embeddings_share_one_tensor(tmp_path):
     assert model.lm_head_weight is model.embed_tokens_weight
 
 
-def test_host_decode_rows_are_left_to_the_caller(tmp_path):
-    """Offloaded prefills and CPU decodes, run stage by stage, still match transformers."""
-    hf_model = save_variant("llama3.1", tmp_path)
+@pytest.mark.parametrize("variant", ["llama3.1", "qwen3", "mistral"])
+def test_host_decode_rows_are_left_to_the_caller(variant, tmp_path):
+    """Offloaded prefills and host decodes, run stage by stage, still match transformers."""
+    hf_model = save_variant(variant, tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
     run_schedule(model, hf_model, host_sequences={1, 3}, seed=1)
 
@@ -182,7 +54,7 @@ def test_forward_refuses_host_decodes(tmp_path):
                              dtype=torch.float32)
     harness.run(model, [(0, "host", [3, 4, 5])], [])
     input_ids, meta = harness.build_step([], [], [(0, 6)])
-    with pytest.raises(ValueError, match="1 CPU decodes"):
+    with pytest.raises(ValueError, match="1 host decodes"):
         model(input_ids, meta, harness.kv_caches())
 
 
@@ -253,9 +125,9 @@ def test_rope_parameters_format_equals_rope_scaling_format():
     legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "rope_theta": 500000.0,
-              "rope_scaling": dict(_LLAMA3_SCALING)}
+              "rope_scaling": dict(LLAMA3_SCALING)}
     current = {key: value for key, value in legacy.items() if not key.startswith("rope_")}
-    current["rope_parameters"] = {**_LLAMA3_SCALING, "rope_theta": 500000.0}
+    current["rope_parameters"] = {**LLAMA3_SCALING, "rope_theta": 500000.0}
     assert ModelConfig.from_hf_config(legacy) == ModelConfig.from_hf_config(current)
     plain = dict(current, rope_parameters={"rope_type": "default", "rope_theta": 7.0})
     config = ModelConfig.from_hf_config(plain)
@@ -266,7 +138,7 @@ def test_rope_parameters_format_equals_rope_scaling_format():
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
+    ({"architectures": ["GemmaForCausalLM"]}, "unsupported architecture 'GemmaForCausalLM'"),
 ])
 def test_config_errors(bad, message):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
@@ -276,7 +148,7 @@ def test_config_errors(bad, message):
 
 
 PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "llama-2-7b": 6.74e9,
-                        "qwen2.5-32b": 32.76e9}
+                        "qwen2.5-32b": 32.76e9, "qwen3-8b": 8.19e9, "mistral-7b-v0.3": 7.25e9}
 
 
 def test_shipped_configs():
@@ -290,6 +162,13 @@ def test_shipped_configs():
     assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.dtype == torch.float16
     assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads,
             qwen.head_dim, qwen.vocab_size) == (5120, 64, 40, 8, 128, 152064)
+    qwen3 = resolve_model_config("qwen3-8b")
+    assert (qwen3.architecture, qwen3.head_dim, qwen3.num_kv_heads, qwen3.rms_norm_eps,
+            qwen3.max_position_embeddings) == ("Qwen3ForCausalLM", 128, 8, 1e-6, 40960)
+    assert not (qwen3.qkv_bias or qwen3.o_proj_bias or qwen3.tie_word_embeddings)
+    mistral = resolve_model_config("mistral-7b-v0.3")
+    assert (mistral.architecture, mistral.vocab_size, mistral.rope_theta,
+            mistral.sliding_window) == ("MistralForCausalLM", 32768, 1e6, None)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
@@ -298,6 +177,7 @@ def test_dummy_load_of_shipped_config_on_meta(name):
     config = model.config
     count = sum(parameter.numel() for parameter in model.parameters())
     assert count == pytest.approx(PUBLISHED_PARAMETERS[name], rel=2e-3)
+    assert config.num_parameters() == count
     layer = model.layers[0]
     assert layer.qkv_proj_weight.shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
     assert layer.gate_up_proj_weight.shape == (2 * config.intermediate_size, config.hidden_size)
@@ -347,7 +227,9 @@ def test_directory_without_config(tmp_path):
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"
+    with pytest.raises(ValueError, match=f"unsupported architecture 'GPT2LMHeadModel' in "
+                                         f"{tmp_path.name}; neo supports {supported}$"):
         load_model(str(tmp_path), dtype=torch.float32, device="cpu")
 
 

@@ -1,0 +1,109 @@
+"""``CausalLM``: embeddings, the family's decoder layers, final norm and LM head.
+
+The model reads top to bottom like the paper's figure::
+
+    embed -> for each layer: pre_attention -> attention -> post_attention -> final_norm -> logits
+
+The decoder-layer class comes from the architecture's registry row (``registry.py``); the
+rest is the same for every family. ``forward`` runs the stages in sequence; a pipeline calls
+``embed``, the layers' stages, ``final_norm`` and ``compute_logits`` itself (the contract is
+written down in ``interface.py``).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .attention_metadata import AttentionMetadata
+from .checkpoint import CheckpointTarget, whole
+from .config import ModelConfig
+from .parameters import empty_parameter
+from .registry import model_family
+from .rotary import RotaryEmbedding
+
+
+class CausalLM(torch.nn.Module):
+    """A decoder-only causal language model of any registered family.
+
+    Weights: ``embed_tokens_weight`` ``[vocab, hidden]``, ``layers``, ``final_norm_weight``
+    ``[hidden]``, ``lm_head_weight`` ``[vocab, hidden]`` (the same Parameter as
+    ``embed_tokens_weight`` when ``tie_word_embeddings``). ``rotary`` holds the float32
+    cos/sin table shared by all layers, one row per position below ``max_positions``.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                 max_positions: int | None = None):
+        """``max_positions`` caps the context length below ``max_position_embeddings``; it must
+        fit the model's sliding window, if it has one (``ModelConfig.context_length``)."""
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        layer_class = model_family(config.architecture).layer_class
+        self.rotary = RotaryEmbedding(config, device, config.context_length(max_positions))
+        self.embed_tokens_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
+        self.layers = torch.nn.ModuleList(
+            layer_class(config, self.rotary, dtype, device) for _ in range(config.num_layers))
+        self.final_norm_weight = empty_parameter((hidden,), dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens_weight
+        else:
+            self.lm_head_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions below this have rotary entries; a sequence may not grow beyond it."""
+        return self.rotary.num_positions
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` token ids -> ``[T, hidden]`` embeddings (model dtype)."""
+        return F.embedding(input_ids, self.embed_tokens_weight)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """All layers in sequential stage order for a sub-batch without host decodes.
+
+        input_ids int64 ``[T]`` (``meta.num_rows``: padding rows included); kv_caches one
+        ``(k_cache, v_cache)`` per layer. Returns the final-normed hidden states ``[T, hidden]``.
+        """
+        if meta.num_host_decodes:
+            raise ValueError(f"CausalLM.forward runs compute-device attention only, but the batch "
+                             f"has {meta.num_host_decodes} host decodes; the pipeline executor "
+                             f"runs those stage by stage")
+        if input_ids.shape != (meta.num_rows,):
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the metadata "
+                             f"describes {meta.num_rows} rows")
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden, residual = self.embed(input_ids), None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            q, k, v, residual = layer.pre_attention(hidden, residual, meta, k_cache, v_cache)
+            attn_out = layer.attention(q, k, v, meta, k_cache, v_cache)
+            hidden, residual = layer.post_attention(attn_out, residual, meta)
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``rms_norm(residual + hidden)`` ``[T, hidden]`` (both arguments are updated in place)."""
+        torch.ops.neo.fused_add_rms_norm(hidden, residual, self.final_norm_weight,
+                                         self.config.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` final-normed states -> float32 logits ``[N, vocab]``."""
+        return F.linear(hidden, self.logits_weight()).float()
+
+    def logits_weight(self) -> torch.nn.Parameter:
+        """The weight of the logits GEMM ``compute_logits`` runs: ``[vocab, hidden]`` in the
+        model's dtype and device (the embedding table when the embeddings are tied)."""
+        return self.lm_head_weight
+
+    def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
+        """Hugging Face tensor name -> its place in the model, for every tensor a checkpoint
+        must hold (``lm_head.weight`` only when the embeddings are not tied)."""
+        targets = {"model.embed_tokens.weight": whole(self.embed_tokens_weight),
+                   "model.norm.weight": whole(self.final_norm_weight)}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = whole(self.lm_head_weight)
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            targets.update({prefix + name: target
+                            for name, target in layer.checkpoint_targets().items()})
+        return targets
