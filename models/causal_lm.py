@@ -37,7 +37,7 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
-        layer_class = model_family(config.architecture).layer_class
+        layer_class = model_family(config.architecture, source=config.name).layer_class
         self.rotary = RotaryEmbedding(config, device, config.context_length(max_positions))
         self.embed_tokens_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
         self.layers = torch.nn.ModuleList(
@@ -107,3 +107,10 @@ class CausalLM(torch.nn.Module):
             targets.update({prefix + name: target
                             for name, target in layer.checkpoint_targets().items()})
         return targets
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Weights of a model of ``config`` (a tied LM head counted once), counted on a model built
+    on the meta device, so every family's own weights count."""
+    model = CausalLM(config, dtype=config.dtype, device="meta", max_positions=1)
+    return sum(parameter.numel() for parameter in model.parameters())

@@ -1,12 +1,8 @@
-"""``ModelConfig``: the shape of a model, read from a Hugging Face ``config.json``.
-
-What every family shares is read here; the facts that differ by family come from the family's
-row in the registry (``registry.py``), which this module imports only when a config is read or
-validated (the registry imports the layer modules, which import this one).
+"""``ModelConfig``: the shape of a model, and the parts of a Hugging Face ``config.json`` every
+family reads alike (dtype names, rotary settings). The registry (``registry.py``) builds a
+``ModelConfig`` from a ``config.json`` with the family's own facts.
 """
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +56,9 @@ def read_rope_settings(config: dict) -> tuple[float, dict | None]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture and shapes of one model. Validated on creation (the architecture must be
-    in the registry)."""
+    """Architecture and shapes of one model, validated on creation. Read from a Hugging Face
+    ``config.json`` by ``neo.models.registry.config_from_hf``; the architecture is checked
+    against the registry when a model is built."""
 
     architecture: str
     vocab_size: int
@@ -86,9 +83,6 @@ class ModelConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
-        from .registry import model_family
-
-        model_family(self.architecture, source=self.name)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -126,14 +120,6 @@ class ModelConfig:
         element = (dtype or self.dtype).itemsize
         return 2 * self.num_layers * self.kv_size * element
 
-    def num_parameters(self) -> int:
-        """Weights of the model (a tied LM head counted once), counted on a model built on the
-        meta device, so every family's own weights count."""
-        from .causal_lm import CausalLM
-
-        model = CausalLM(self, dtype=self.dtype, device="meta", max_positions=1)
-        return sum(parameter.numel() for parameter in model.parameters())
-
     def context_length(self, max_positions: int | None = None) -> int:
         """The positions a model built for ``max_positions`` serves: ``max_positions`` capped
         at ``max_position_embeddings`` (None: ``max_position_embeddings``).
@@ -158,51 +144,3 @@ class ModelConfig:
                 f"while every sequence fits in the window: pass max_model_len <= "
                 f"{self.sliding_window}")
         return length
-
-    @classmethod
-    def from_hf_config(cls, config: dict, name: str = "") -> "ModelConfig":
-        """Build from the dict of a Hugging Face ``config.json``."""
-        from .registry import model_family
-
-        architectures = config.get("architectures") or [config.get("model_type", "?")]
-        architecture = architectures[0]
-        family = model_family(architecture, source=name or "config")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; neo's MLP is "
-                             f"SiLU-gated")
-        num_heads = config["num_attention_heads"]
-        hidden_size = config["hidden_size"]
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-        rope_theta, rope_scaling = read_rope_settings(config)
-        family_fields = {"head_dim": config.get("head_dim") or hidden_size // num_heads,
-                         **family.read_config(config)}
-        return cls(
-            architecture=architecture,
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden_size,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            **family_fields,
-            rope_scaling=rope_scaling,
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=parse_dtype(dtype_name),
-            name=name,
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
-        """Read ``path/config.json``."""
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"no config.json in model directory {path!r}")
-        with open(config_path) as file:
-            return cls.from_hf_config(json.load(file), name=os.path.basename(os.path.normpath(path)))

@@ -27,6 +27,7 @@ from . import tiny
 from .causal_lm import CausalLM
 from .checkpoint import CheckpointTarget
 from .config import ModelConfig, parse_dtype
+from .registry import config_from_hf, read_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,7 +48,7 @@ def builtin_model_names() -> list[str]:
 
 def _builtin_config(name: str) -> ModelConfig:
     text = resources.files("neo.models.configs").joinpath(f"{name}.json").read_text()
-    return ModelConfig.from_hf_config(json.loads(text), name=name)
+    return config_from_hf(json.loads(text), name=name)
 
 
 def model_kind(model: str) -> str:
@@ -71,7 +72,7 @@ def resolve_model_config(model: str, dtype: torch.dtype | str | None = None) -> 
     elif kind == "builtin":
         config = _builtin_config(model.lower())
     else:
-        config = ModelConfig.from_pretrained(model)
+        config = read_model_config(model)
     return config if dtype is None else replace(config, dtype=parse_dtype(dtype))
 
 

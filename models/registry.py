@@ -6,15 +6,18 @@ weights, its stages and the checkpoint tensor names it reads) and a function tha
 config facts that differ by family (biases, the ``head_dim`` default, the sliding window) into
 ``ModelConfig`` fields, refusing settings neo cannot run. Everything else in a config
 (sizes, norms' epsilon, rotary settings, token ids) is read the same way for every family by
-``ModelConfig.from_hf_config``.
+``config_from_hf``.
 
 Adding a family: a reader below, a row in ``FAMILIES``, and, when its block differs from
 Llama's beyond the config flags, a ``DecoderLayer`` subclass in its own module.
 """
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Callable
 
+from .config import ModelConfig, parse_dtype, read_rope_settings
 from .llama import DecoderLayer
 from .qwen3 import Qwen3DecoderLayer
 
@@ -104,3 +107,50 @@ def model_family(architecture: str, source: str = "") -> ModelFamily:
         raise ValueError(f"unsupported architecture {architecture!r}{where}; neo supports "
                          f"{', '.join(FAMILIES)}")
     return family
+
+
+def config_from_hf(config: dict, name: str = "") -> ModelConfig:
+    """A ``ModelConfig`` from the dict of a Hugging Face ``config.json`` (``name``: the model's
+    name, for messages)."""
+    architectures = config.get("architectures") or [config.get("model_type", "?")]
+    architecture = architectures[0]
+    family = model_family(architecture, source=name or "config")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; neo's MLP is "
+                         f"SiLU-gated")
+    num_heads = config["num_attention_heads"]
+    hidden_size = config["hidden_size"]
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    rope_theta, rope_scaling = read_rope_settings(config)
+    family_fields = {"head_dim": config.get("head_dim") or hidden_size // num_heads,
+                     **family.read_config(config)}
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden_size,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **family_fields,
+        rope_scaling=rope_scaling,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=parse_dtype(dtype_name),
+        name=name,
+    )
+
+
+def read_model_config(directory: str) -> ModelConfig:
+    """The ``ModelConfig`` of a Hugging Face model directory (its ``config.json``)."""
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in model directory {directory!r}")
+    with open(config_path) as file:
+        return config_from_hf(json.load(file), name=os.path.basename(os.path.normpath(directory)))

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .config import ModelConfig
+from .registry import config_from_hf
 
 TINY_NAME = "neo-tiny"
 NUM_BYTE_TOKENS = 256
@@ -62,7 +63,7 @@ def tiny_hf_config() -> dict:
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig.from_hf_config(tiny_hf_config(), name=TINY_NAME)
+    return config_from_hf(tiny_hf_config(), name=TINY_NAME)
 
 
 def _uniform(shape: tuple[int, ...], bound: float, seed: int) -> torch.Tensor:

@@ -14,12 +14,13 @@ import torch
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations
 from model_reference import randomize, run_schedule, save_variant
 from neo import LLM, SamplingParams
+from neo.models.causal_lm import CausalLM, count_parameters
 from neo.models.config import ModelConfig
 from neo.models.interface import CausalLMInterface, DecoderLayerInterface
 from neo.models.llama import DecoderLayer
 from neo.models.loader import load_model
 from neo.models.qwen3 import Qwen3DecoderLayer
-from neo.models.registry import model_family, supported_architectures
+from neo.models.registry import config_from_hf, model_family, read_model_config, supported_architectures
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -41,13 +42,14 @@ def test_registry_rows():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: ModelConfig.from_hf_config(hf_config("GemmaForCausalLM"), name="gemma-tiny"),
-    lambda: ModelConfig(architecture="GemmaForCausalLM", vocab_size=64, hidden_size=64,
-                        intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                        head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
-                        max_position_embeddings=256, name="gemma-tiny"),
+    lambda: config_from_hf(hf_config("GemmaForCausalLM"), name="gemma-tiny"),
+    lambda: CausalLM(ModelConfig(architecture="GemmaForCausalLM", vocab_size=64, hidden_size=64,
+                                 intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                                 head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                                 max_position_embeddings=256, name="gemma-tiny"),
+                     dtype=torch.float32, device="meta"),
     lambda: model_family("GemmaForCausalLM", source="gemma-tiny"),
-], ids=["from_hf_config", "ModelConfig", "model_family"])
+], ids=["config_from_hf", "CausalLM", "model_family"])
 def test_unknown_architecture_lists_the_supported_ones(make):
     with pytest.raises(ValueError, match=f"unsupported architecture 'GemmaForCausalLM' in "
                                          f"gemma-tiny; neo supports {', '.join(FAMILIES)}$"):
@@ -69,28 +71,28 @@ def test_models_satisfy_the_interface(variant, layer_class, tmp_path):
     assert weight.shape == (config.vocab_size, config.hidden_size)
     assert (weight is model.embed_tokens_weight) == config.tie_word_embeddings
     assert model.layers[0].scale == config.head_dim ** -0.5
-    assert config.num_parameters() == sum(parameter.numel() for parameter in model.parameters())
+    assert count_parameters(config) == sum(parameter.numel() for parameter in model.parameters())
 
 
 # Config facts by family ------------------------------------------------------------------------
 
 def test_qwen3_config_facts():
-    config = ModelConfig.from_hf_config(hf_config("Qwen3ForCausalLM", head_dim=32))
+    config = config_from_hf(hf_config("Qwen3ForCausalLM", head_dim=32))
     assert config.head_dim == 32 and config.q_size == 128
     assert not (config.qkv_bias or config.o_proj_bias or config.mlp_bias)
-    biased = ModelConfig.from_hf_config(hf_config("Qwen3ForCausalLM", attention_bias=True,
+    biased = config_from_hf(hf_config("Qwen3ForCausalLM", attention_bias=True,
                                                   mlp_bias=True))
     assert biased.qkv_bias and biased.o_proj_bias and not biased.mlp_bias
     # transformers' Qwen3 default when config.json has no head_dim, not hidden / heads (16).
-    assert ModelConfig.from_hf_config(hf_config("Qwen3ForCausalLM")).head_dim == 128
-    assert ModelConfig.from_hf_config(hf_config("LlamaForCausalLM")).head_dim == 16
+    assert config_from_hf(hf_config("Qwen3ForCausalLM")).head_dim == 128
+    assert config_from_hf(hf_config("LlamaForCausalLM")).head_dim == 16
 
 
 def test_qwen_configs_with_sliding_windows_off_are_accepted():
     off = dict(use_sliding_window=False, sliding_window=64, max_window_layers=1,
                layer_types=["full_attention"])
     for architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        config = ModelConfig.from_hf_config(hf_config(architecture, **off))
+        config = config_from_hf(hf_config(architecture, **off))
         assert config.sliding_window is None and config.context_length() == 256
 
 
@@ -103,18 +105,18 @@ def test_qwen_configs_with_sliding_windows_off_are_accepted():
 ], ids=["use_sliding_window", "layer_types"])
 def test_qwen_sliding_windows_are_refused(architecture, fields, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(hf_config(architecture, **fields))
+        config_from_hf(hf_config(architecture, **fields))
 
 
 def test_mistral_config_facts():
-    config = ModelConfig.from_hf_config(hf_config("MistralForCausalLM", sliding_window=4096,
+    config = config_from_hf(hf_config("MistralForCausalLM", sliding_window=4096,
                                                   attention_bias=True, mlp_bias=True))
     assert config.sliding_window == 4096 and config.context_length() == 256
     assert not (config.qkv_bias or config.o_proj_bias or config.mlp_bias)
-    unlimited = ModelConfig.from_hf_config(hf_config("MistralForCausalLM", sliding_window=None))
+    unlimited = config_from_hf(hf_config("MistralForCausalLM", sliding_window=None))
     assert unlimited.sliding_window is None and unlimited.context_length(10**6) == 256
     with pytest.raises(ValueError, match="sliding_window must be positive or null, got 0"):
-        ModelConfig.from_hf_config(hf_config("MistralForCausalLM", sliding_window=0))
+        config_from_hf(hf_config("MistralForCausalLM", sliding_window=0))
 
 
 def save_mistral_with_window(directory, sliding_window: int) -> MistralForCausalLM:
@@ -195,7 +197,7 @@ def saved_family(request, tmp_path_factory):
 def test_greedy_equals_transformers(saved_family, setting, device):
     directory, max_model_len, expected = saved_family
     policy, gpu_blocks, host_pipeline = SETTINGS[setting]
-    config = ModelConfig.from_pretrained(directory)
+    config = read_model_config(directory)
     block_bytes = BLOCK_SIZE * config.kv_bytes_per_token(torch.float32)
     llm = LLM(directory, device=device, dtype="float32", policy=policy, block_size=BLOCK_SIZE,
               gpu_kv_cache_gib=gib_for_blocks(gpu_blocks, block_bytes),

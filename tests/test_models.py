@@ -18,7 +18,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from model_harness import PagedKVHarness
 from model_reference import BLOCK_SIZE, LLAMA3_SCALING, VARIANTS, run_schedule, save_variant
-from neo.models.config import ModelConfig
+from neo.models.causal_lm import count_parameters
+from neo.models.registry import config_from_hf
 from neo.models import loader, tiny
 from neo.models.loader import load_model, resolve_model_config
 from neo.models.rotary import cos_sin_table
@@ -99,7 +100,7 @@ def test_neo_tiny_greedy_output_varies():
 def test_rotary_table_matches_transformers():
     for name in ("llama2", "llama3.1", "llama3.2"):
         hf_config = VARIANTS[name][1]
-        config = ModelConfig.from_hf_config(hf_config.to_dict() | {
+        config = config_from_hf(hf_config.to_dict() | {
             "architectures": ["LlamaForCausalLM"]})
         rotary = LlamaRotaryEmbedding(hf_config)
         positions = torch.arange(hf_config.max_position_embeddings)[None]
@@ -128,9 +129,9 @@ def test_rope_parameters_format_equals_rope_scaling_format():
               "rope_scaling": dict(LLAMA3_SCALING)}
     current = {key: value for key, value in legacy.items() if not key.startswith("rope_")}
     current["rope_parameters"] = {**LLAMA3_SCALING, "rope_theta": 500000.0}
-    assert ModelConfig.from_hf_config(legacy) == ModelConfig.from_hf_config(current)
+    assert config_from_hf(legacy) == config_from_hf(current)
     plain = dict(current, rope_parameters={"rope_type": "default", "rope_theta": 7.0})
-    config = ModelConfig.from_hf_config(plain)
+    config = config_from_hf(plain)
     assert config.rope_theta == 7.0 and config.rope_scaling is None
 
 
@@ -144,7 +145,7 @@ def test_config_errors(bad, message):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4}
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config(config | bad)
+        config_from_hf(config | bad)
 
 
 PUBLISHED_PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "llama-2-7b": 6.74e9,
@@ -177,7 +178,7 @@ def test_dummy_load_of_shipped_config_on_meta(name):
     config = model.config
     count = sum(parameter.numel() for parameter in model.parameters())
     assert count == pytest.approx(PUBLISHED_PARAMETERS[name], rel=2e-3)
-    assert config.num_parameters() == count
+    assert count_parameters(config) == count
     layer = model.layers[0]
     assert layer.qkv_proj_weight.shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
     assert layer.gate_up_proj_weight.shape == (2 * config.intermediate_size, config.hidden_size)
