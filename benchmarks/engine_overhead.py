@@ -16,6 +16,7 @@ import torch
 
 from neo import EngineConfig, LLMEngine, SamplingParams
 from neo.runner.batch_inputs import build_batch_inputs
+from neo.sched.runner_output import IterationOutput
 from neo.bench import device_name
 
 PHASES = ("schedule", "inputs", "forward", "sample", "postprocess")
@@ -41,13 +42,14 @@ def measure(engine: LLMEngine, batch_size: int, context: int, iterations: int) -
         batches = [build_batch_inputs(batch, runner.block_size, runner.device, runner.executor.pad_rows)
                    for batch in plan.sub_batches]
         clock.append(time.perf_counter())
-        logits = runner.executor.run(batches, torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2, dtype=torch.int64))
+        logits = runner.executor.run(batches, plan.stage_order, torch.empty(0, 2, dtype=torch.int64),
+                                     torch.empty(0, 2, dtype=torch.int64))
         _synchronize(runner.device)
         clock.append(time.perf_counter())
         requests = [request for inputs in batches for request in inputs.requests]
         tokens = runner.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests]).tolist()
         clock.append(time.perf_counter())
-        engine._postprocess(plan, tokens)
+        engine._outputs(plan, engine.scheduler.update(plan, IterationOutput(tokens, 0.0, 0.0)))
         clock.append(time.perf_counter())
         for phase, start, end in zip(PHASES, clock, clock[1:]):
             samples[phase].append(end - start)

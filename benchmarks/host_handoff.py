@@ -37,7 +37,6 @@ import torch
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import device_name
-from neo.runner.profiler import Profiler
 from neo.request import KVLocation
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
@@ -60,33 +59,34 @@ def time_alone(engine: LLMEngine, requests, repeats: int) -> float:
     slots = torch.tensor([r.block_table[(r.num_tokens - 1) // block_size] * block_size + (r.num_tokens - 1) % block_size
                           for r in requests], dtype=torch.int64)
     k_cache, v_cache = engine.kv_cache.host_layers[0]
+    kernels = engine.runner.executor.host_kernels
     threads = torch.get_num_threads()
     torch.set_num_threads(engine.worker.num_threads)
     try:
         samples = []
         for _ in range(repeats + 5):
             start = time.perf_counter()
-            torch.ops.neo.store_kv_cache(key, key, k_cache, v_cache, slots)
-            torch.ops.neo.paged_decode_attention(output, query, k_cache, v_cache, table, lengths,
-                                                 config.head_dim ** -0.5)
+            kernels.store.function(key, key, k_cache, v_cache, slots)
+            kernels.attention.function(output, query, k_cache, v_cache, table, lengths, config.head_dim ** -0.5)
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[5:])
     finally:
         torch.set_num_threads(threads)
 
 
-def time_plan(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, float, float]:
+def time_plan(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, float, float, bool]:
     """(host seconds, wall seconds, launch seconds) of one iteration of ``plan``, medians after
-    a warm-up."""
+    a warm-up, and whether it replayed a graph."""
     host, wall, launch = [], [], []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         launched = []
-        engine.runner.execute(plan, on_launched=lambda: launched.append(time.perf_counter()))
+        output = engine.runner.execute(plan, on_launched=lambda: launched.append(time.perf_counter()))
         wall.append(time.perf_counter() - start)
         launch.append(launched[0] - start)
-        host.append(engine.runner.host_busy_seconds())
-    return statistics.median(host[1:]), statistics.median(wall[1:]), statistics.median(launch[1:])
+        host.append(output.host_seconds)
+    return (statistics.median(host[1:]), statistics.median(wall[1:]), statistics.median(launch[1:]),
+            output.replayed_graph)
 
 
 def write_trace(engine: LLMEngine, plan: SchedulerOutput, path: str) -> None:
@@ -104,33 +104,34 @@ def write_trace(engine: LLMEngine, plan: SchedulerOutput, path: str) -> None:
 
 
 def measure(engine: LLMEngine, count: int, length: int, repeats: int, trace_path: str | None = None) -> dict:
-    profiler = Profiler(engine)
+    profiler = engine.profiler
     layers = engine.model_config.num_layers
-    host = profiler._requests(KVLocation.HOST, [length] * count)
-    gpu = profiler._requests(KVLocation.GPU, [length])
+    host = profiler.allocate_requests(KVLocation.HOST, [length] * count)
+    gpu = profiler.allocate_requests(KVLocation.GPU, [length])
     half = max(1, count // 2)
     second = max(1, count - half)
-    pair = profiler._requests(KVLocation.GPU, [engine.config.block_size] * (half + second))
+    pair = profiler.allocate_requests(KVLocation.GPU, [engine.config.block_size] * (half + second))
     try:
         alone = time_alone(engine, host, repeats)
-        engine_host, engine_wall, _ = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(host_decodes=host)]),
-                                                repeats)
+        engine_host, engine_wall, _, _ = time_plan(engine, SchedulerOutput(sub_batches=[SubBatch(host_decodes=host)]),
+                                                   repeats)
         pipelined = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:half]),
                                                  SubBatch(host_decodes=host[half:] or host[:1])])
-        graphs = engine.runner.pipeline_graphs
-        engine.runner.pipeline_graphs = None
+        coverage = engine.runner.graph_coverage
+        graphs = coverage.pipeline_max_requests
+        coverage.pipeline_max_requests = 0  # eagerly
         try:
-            pipelined_host, pipelined_wall, pipelined_launch = time_plan(engine, pipelined, repeats)
+            pipelined_host, pipelined_wall, pipelined_launch, _ = time_plan(engine, pipelined, repeats)
         finally:
-            engine.runner.pipeline_graphs = graphs
+            coverage.pipeline_max_requests = graphs
         graphed = None
-        if graphs is not None:
-            graphed = time_plan(engine, pipelined, repeats)
-            if not engine.runner.replayed_graph:
+        if graphs:
+            *graphed, replayed = time_plan(engine, pipelined, repeats)
+            if not replayed:
                 raise RuntimeError(f"the pipelined {count} x {length} plan did not replay a pipeline graph")
         gpu_pair = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu + pair[:half]),
                                                 SubBatch(gpu_decodes=pair[half:])])
-        _, pair_wall, pair_launch = time_plan(engine, gpu_pair, repeats)
+        _, pair_wall, pair_launch, _ = time_plan(engine, gpu_pair, repeats)
         if trace_path is not None:  # last: launches stay slower for a while after profiling
             write_trace(engine, pipelined, trace_path)
     finally:
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--cpu-kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-attention-threads", type=int, default=None, help="default: all cores but one")
+    parser.add_argument("--cpu-attention-kernel", default="auto", help="the host's decode-attention kernel")
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace-dir", default=None, help="write a profiler trace of one pipelined iteration per batch")
     args = parser.parse_args()
@@ -168,10 +170,11 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", policy="neo",
                                     gpu_kv_cache_gib=1.0, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                                     perf_model="zero", max_model_len=4096,
-                                    cpu_attention_threads=args.cpu_attention_threads))
+                                    cpu_attention_threads=args.cpu_attention_threads,
+                                    cpu_attention_kernel=args.cpu_attention_kernel))
     if not engine.runner.executor.stream_ordered_host_work:
-        raise SystemExit("the host work runs on the worker thread here (no ISPC kernels or no CUDA "
-                         "extension): nothing to measure")
+        raise SystemExit("the host work runs on the worker thread here (a CPU attention kernel written in "
+                         "Python, or no CUDA extension): nothing to measure")
     results = []
     try:
         for batch in args.batches.split(","):

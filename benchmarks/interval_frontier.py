@@ -35,7 +35,6 @@ import time
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import device_name, release_device_memory
-from neo.runner.profiler import Profiler
 from neo.request import KVLocation, Request
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
@@ -58,16 +57,16 @@ def parse_intervals(text: str) -> list[float]:
     return values
 
 
-def time_iterations(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> float:
+def time_iterations(engine: LLMEngine, plan: SchedulerOutput, repeats: int) -> tuple[float, bool]:
     """Median seconds of one iteration of ``plan`` run back to back, after a warm-up (which
-    captures the graph the plan replays)."""
+    captures the graph the plan replays), and whether it replayed a graph."""
     engine.runner.execute(plan)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        engine.runner.execute(plan)
+        output = engine.runner.execute(plan)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(samples), output.replayed_graph
 
 
 def point(pipeline: str, host: int, gpu: int, seconds_per_token: dict, tokens_per_second: float,
@@ -82,9 +81,9 @@ def point(pipeline: str, host: int, gpu: int, seconds_per_token: dict, tokens_pe
 
 
 def measure_gpu_only(engine: LLMEngine, gpu: list[Request], repeats: int) -> dict:
-    seconds = time_iterations(engine, SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu)]), repeats)
+    seconds, replayed = time_iterations(engine, SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu)]), repeats)
     result = point("gpu-only", 0, len(gpu), {"gpu": seconds}, len(gpu) / seconds, None)
-    result["replayed_graph"] = engine.runner.replayed_graph  # as the engine's decodes are, where it has graphs
+    result["replayed_graph"] = replayed  # as the engine's decodes are, where it has graphs
     return result
 
 
@@ -96,14 +95,14 @@ def measure_lockstep(engine: LLMEngine, gpu: list[Request], host: list[Request],
         in_first = min(len(host) - 1, round(fraction * len(host)))
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:in_first]),
                                             SubBatch(host_decodes=host[in_first:])])
-        seconds = time_iterations(engine, plan, repeats)
+        seconds, replayed = time_iterations(engine, plan, repeats)
         if best is None or seconds < best[0]:
-            best = (seconds, in_first)
-    seconds, in_first = best
+            best = (seconds, in_first, replayed)
+    seconds, in_first, replayed = best
     result = point("lockstep", len(host), len(gpu), {"gpu": seconds, "host": seconds},
                    (len(gpu) + len(host)) / seconds, baseline)
     result["host_requests_in_sub_batch_0"] = in_first
-    result["replayed_graph"] = engine.runner.replayed_graph
+    result["replayed_graph"] = replayed
     return result
 
 
@@ -113,8 +112,8 @@ def measure_async(engine: LLMEngine, gpu: list[Request], host: list[Request], ba
     launched at the first iteration after the previous one completed (after a warm-up batch)."""
     runner = engine.runner
     gpu_plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu)])
-    host_plan = SchedulerOutput(host_batch=SubBatch(host_decodes=host))
-    runner.launch_host_batch(host_plan)  # warm-up: captures the batch's pipeline graph
+    host_batch = SubBatch(host_decodes=host)
+    runner.launch_host_batch(host_batch)  # warm-up: captures the batch's pipeline graph
     runner.collect_host_batch(wait_seconds=float("inf"))
     iteration_seconds, host_periods, batch_seconds, launched_at = [], [], [], None
     start = time.perf_counter()
@@ -126,7 +125,7 @@ def measure_async(engine: LLMEngine, gpu: list[Request], host: list[Request], ba
                 if len(host_periods) == batches:
                     break
             launched_at = now
-            runner.launch_host_batch(host_plan)
+            runner.launch_host_batch(host_batch)
         began = time.perf_counter()
         runner.execute(gpu_plan)
         iteration_seconds.append(time.perf_counter() - began)
@@ -165,7 +164,7 @@ def blocks_per_request(engine: LLMEngine, context: int) -> int:
     return -(-(context + 1) // engine.config.block_size)
 
 
-def fill_gpu_pool(engine: LLMEngine, profiler: Profiler, context: int, limit: int | None) -> list[Request]:
+def fill_gpu_pool(engine: LLMEngine, profiler, context: int, limit: int | None) -> list[Request]:
     """As many GPU decodes of ``context`` tokens as the GPU pool holds (each with its next
     slot), at most ``limit``."""
     count = engine.layout.num_gpu_blocks // blocks_per_request(engine, context)
@@ -174,21 +173,21 @@ def fill_gpu_pool(engine: LLMEngine, profiler: Profiler, context: int, limit: in
     if count < 1:
         raise SystemExit(f"the GPU pool ({engine.layout.num_gpu_blocks} blocks) holds no request of "
                          f"{context} tokens: raise --gpu-kv-cache-gib or lower --context")
-    return profiler._requests(KVLocation.GPU, [context] * count)
+    return profiler.allocate_requests(KVLocation.GPU, [context] * count)
 
 
 def measure_pipeline(args, pipeline: str) -> tuple[list[dict], dict]:
     """The gpu-only point and every host count's point of one host pipeline, on one engine."""
     engine = build_engine(args, pipeline)
     try:
-        profiler = Profiler(engine)
+        profiler = engine.profiler
         gpu = fill_gpu_pool(engine, profiler, args.context, args.gpu_requests)
         needed = max(args.host_requests) * blocks_per_request(engine, args.context)
         if needed > engine.layout.num_host_blocks:
             raise SystemExit(f"{max(args.host_requests)} host requests of {args.context} tokens need "
                              f"{needed} host blocks; the host pool has {engine.layout.num_host_blocks}: "
                              f"raise --cpu-kv-cache-gib")
-        host_all = profiler._requests(KVLocation.HOST, [args.context] * max(args.host_requests))
+        host_all = profiler.allocate_requests(KVLocation.HOST, [args.context] * max(args.host_requests))
         info = {"device": device_name(engine.device), "host_threads": engine.worker.num_threads,
                 "gpu_pool_blocks": engine.layout.num_gpu_blocks}
         try:

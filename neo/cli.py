@@ -7,6 +7,8 @@ import logging
 import sys
 
 from .config import HOST_PIPELINES, POLICIES, EngineConfig
+from .sched.placement import PLACEMENTS
+from .sched.stage_order import TWO_SUB_BATCH_ORDERS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "lockstep: host decodes in each iteration's two sub-batches")
     group.add_argument("--pad-gemm-rows", action=argparse.BooleanOptionalAction, default=None,
                        help="pad GEMM rows to fixed buckets warmed up at start-up (default: on CUDA)")
+    group.add_argument("--cpu-attention-kernel", default=defaults.cpu_attention_kernel,
+                       help="CPU implementation of the host's decode attention: auto, or one that "
+                            "`python -m neo.ops` lists (e.g. ispc, numba, reference)")
+    group.add_argument("--stage-order", default=defaults.stage_order, choices=TWO_SUB_BATCH_ORDERS,
+                       help="the lockstep pipeline's order of its two sub-batches through the layers")
+    group.add_argument("--placement", default=None, choices=sorted(PLACEMENTS),
+                       help="where host decodes go (default: the host pipeline's)")
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")
@@ -88,7 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from neo.runner.profiler import profile_to_file
+    from .engine.profiling import profile_to_file
 
     path = profile_to_file(engine_config_from_args(args), args.output)
     print(f"perf model written to {path}")

@@ -34,8 +34,20 @@ class EngineConfig:
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
         sub-batches, the host decodes among them, go through the layers together).
     pad_gemm_rows: pad each iteration's GEMM rows to a fixed set of buckets, each run once at
-        start-up (``neo.gemm_rows``: cuBLAS makes a GEMM shape it meets for the first time wait
-        for every pending CUDA host function); None: on CUDA.
+        start-up (``neo.runner.gemm_rows``: cuBLAS makes a GEMM shape it meets for the first time
+        wait for every pending CUDA host function); None: on CUDA.
+    cpu_attention_kernel: the CPU implementation of ``paged_decode_attention`` the host side
+        runs: "auto" (what ``torch.ops.neo`` runs on the CPU: ISPC when built, else numba) or
+        any available one by name (``python -m neo.ops`` lists them; ``neo.ops.register_kernel``
+        adds one). A compiled kernel runs in CUDA host functions on the copy stream; one written
+        in Python runs on a worker thread.
+    stage_order: the order of the lockstep pipeline's two sub-batches through the layers
+        (``neo.sched.stage_order``: "asymmetric" or "asymmetric-early-host").
+    placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
+        ("two-sub-batches" for lockstep, "host-batches" for async).
+
+    Names that depend on registries or the machine (kernels, stage orders, placements) are
+    checked when the engine is built, with errors that list the choices.
     """
 
     model: str = "neo-tiny"
@@ -55,6 +67,9 @@ class EngineConfig:
     cuda_graph_max_context: int = 8192
     host_pipeline: str = "async"
     pad_gemm_rows: bool | None = None
+    cpu_attention_kernel: str = "auto"
+    stage_order: str = "asymmetric"
+    placement: str | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
     seed: int = 0

@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.sched.block_manager import BlockManager, OutOfBlocksError
-from neo.config import EngineConfig
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.sched.block_manager import BlockManager, OutOfBlocksError
 from neo.sched.scheduler import Scheduler
+
+from scheduler_harness import execute, make_scheduler
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
@@ -52,12 +53,7 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: 
         total = plan.num_tokens
         assert total <= scheduler.config.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
-        for request in plan.requests:
-            request.num_cached_tokens = request.num_tokens
-            request.append_token(7)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                scheduler.finish(request, "length")
-        scheduler.remove_finished()
+        execute(scheduler, plan)
         check_pools(manager, requests)
     raise AssertionError("requests did not finish")
 
@@ -86,9 +82,9 @@ def test_pool_refuses_overdraw():
 
 
 def test_preemption_swaps_and_returns_everything():
-    config = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
-    manager = BlockManager(num_gpu_blocks=12, num_host_blocks=64, block_size=8)
-    scheduler = Scheduler(config, manager)
+    scheduler = make_scheduler("gpu-only", 12, 64, block_size=8, max_num_seqs=16,
+                               max_num_batched_tokens=256)
+    manager = scheduler.block_manager
     requests = [make_request(i, prompt_len=10 + i, max_tokens=30) for i in range(6)]
     for request in requests:
         scheduler.add(request)
@@ -99,10 +95,9 @@ def test_preemption_swaps_and_returns_everything():
 
 
 def test_preemption_by_recompute_when_host_pool_is_full():
-    config = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=256,
-                          cpu_kv_cache_gib=0)
-    manager = BlockManager(num_gpu_blocks=10, num_host_blocks=0, block_size=8)
-    scheduler = Scheduler(config, manager)
+    scheduler = make_scheduler("gpu-only", 10, 0, block_size=8, max_num_seqs=16,
+                               max_num_batched_tokens=256)
+    manager = scheduler.block_manager
     requests = [make_request(i, prompt_len=12, max_tokens=25) for i in range(5)]
     for request in requests:
         scheduler.add(request)
@@ -123,10 +118,9 @@ def test_preemption_by_recompute_when_host_pool_is_full():
 def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num_host_blocks,
                                          block_size, max_num_seqs):
     rng = random.Random(seed)
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=128)
-    manager = BlockManager(num_gpu_blocks, num_host_blocks, block_size)
-    scheduler = Scheduler(config, manager)
+    scheduler = make_scheduler("gpu-only", num_gpu_blocks, num_host_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=128)
+    config, manager = scheduler.config, scheduler.block_manager
     # Prompts fit the GPU pool (the engine rejects the others up front); outputs may outgrow it.
     capacity = (num_gpu_blocks - scheduler.watermark_blocks) * block_size
     requests = []
@@ -142,12 +136,7 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
         if scheduler.num_unfinished:
             plan = scheduler.schedule()
             assert not plan.is_empty, "unfinished requests but the scheduler planned nothing"
-            for request in plan.requests:
-                request.num_cached_tokens = request.num_tokens
-                request.append_token(3)
-                if request.num_output_tokens >= request.sampling_params.max_tokens:
-                    scheduler.finish(request, "length")
-            scheduler.remove_finished()
+            execute(scheduler, plan)
             live = [r for r in requests if not r.is_finished]
             if live and rng.random() < 0.05:
                 scheduler.abort(rng.choice(live))
@@ -168,9 +157,9 @@ def test_random_request_mixes_never_leak(seed, num_requests, num_gpu_blocks, num
 def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_on():
     """No host pool: preemption drops KV for recompute, which needs prompt + output in one
     iteration's token budget. A victim past that budget ends instead of blocking the queue."""
-    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=24)
-    manager = BlockManager(num_gpu_blocks=10, num_host_blocks=0, block_size=8)
-    scheduler = Scheduler(config, manager)
+    scheduler = make_scheduler("gpu-only", 10, 0, block_size=8, max_num_seqs=4,
+                               max_num_batched_tokens=24)
+    config, manager = scheduler.config, scheduler.block_manager
     first, second = make_request(0, prompt_len=8, max_tokens=60), make_request(1, prompt_len=20, max_tokens=60)
     later = make_request(2, prompt_len=20, max_tokens=10)
     for request in (first, second, later):
@@ -188,9 +177,8 @@ def test_a_preempted_request_too_long_to_prefill_again_ends_and_the_queue_moves_
 
 
 def test_a_prompt_that_needs_the_whole_pool_is_admitted_when_alone():
-    config = EngineConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=256)
-    manager = BlockManager(num_gpu_blocks=3, num_host_blocks=0, block_size=8)
-    scheduler = Scheduler(config, manager)
+    scheduler = make_scheduler("gpu-only", 3, 0, block_size=8, max_num_seqs=4,
+                               max_num_batched_tokens=256)
     requests = [make_request(i, prompt_len=23, max_tokens=1) for i in range(2)]
     for request in requests:
         scheduler.add(request)

@@ -270,7 +270,7 @@ def test_measured_host_time_calibrates_the_schedulers_host_estimates(tmp_path, h
             engine.add_request(prompt, GREEDY)
         while engine.has_unfinished_requests():
             engine.step()
-        calibration = engine.scheduler.host_calibration
+        calibration = engine.scheduler.estimates.host_calibration
     finally:
         engine.close()
     records = json.loads(path.read_text())

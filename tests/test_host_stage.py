@@ -16,7 +16,7 @@ import torch
 from torch.library import Library
 
 import neo.ops
-from neo.runner.executor import FAILURE_MESSAGE_BYTES, _HostRowBuffers, host_stage_available
+from neo.runner.host_attention import FAILURE_MESSAGE_BYTES, HostRowBuffers, host_stage_available
 from neo.ops import reference
 
 from conftest import assert_close, random_paged_kv, random_tensor
@@ -66,7 +66,7 @@ class Setup:
         self.lengths = list(lengths)
         self.generator = generator
         self.copy_stream = torch.cuda.Stream()
-        self.slot = _HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
+        self.slot = HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype)
         self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
         self.seconds = torch.zeros(1, dtype=torch.float64)
         self.stage = make_stage(self.slot, self.failure, self.seconds, self.copy_stream, ispc_kernels())
@@ -219,7 +219,7 @@ def test_stage_runs_the_named_kernels_not_torch_ops_neo(generator):
      "paged_decode_attention_op 'neo_reference::paged_decode_attention' has no CPU kernel"),
 ], ids=["unknown-op", "wrong-schema", "no-cpu-kernel"])
 def test_bad_kernel_names_raise(kernels, message):
-    slot = _HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float32)
+    slot = HostRowBuffers.allocate(CAPACITY, MAX_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float32)
     failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
     seconds = torch.zeros(1, dtype=torch.float64)
     with pytest.raises((ValueError, RuntimeError), match=re.escape(message)):

@@ -6,8 +6,10 @@ import pytest
 
 from neo import EngineConfig, LLMEngine
 from neo.cli import main as cli_main
-from neo.sched.perf_model import PerfModel, PerfTable, interpolate
 from neo.runner.profiler import Profiler
+from neo.sched.cost import StageTimes
+from neo.sched.perf_model import PerfModel, PerfTable, interpolate
+from neo.sched.stage_order import ASYMMETRIC, SEQUENTIAL
 
 SMALL = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.02, max_num_batched_tokens=256, max_num_seqs=16)
 
@@ -40,14 +42,20 @@ def test_graph_decode_adds_the_extra_attention_of_longer_contexts():
     assert PerfModel(PerfTable()).graph_decode(1, 1) is None
 
 
-def test_two_batch_time_takes_the_graph_overhead_for_graph_replays():
+def test_two_sub_batch_iterations_take_the_graph_overhead_for_graph_replays():
     table = PerfTable(pipeline_overhead=0.4, pipeline_graph_overhead=-0.1, iteration_overhead=0.05)
     model = PerfModel(table)
-    # max(linear1 + o/2, cpu0) + max(linear0 + gpu0 + o/2, cpu1) + iteration overhead
-    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3) == pytest.approx(1.2 + 1.7 + 0.05)
-    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3, graphed=True) == pytest.approx(0.95 + 1.45 + 0.05)
-    assert model.two_batch_time(1.0, 0.5, 1.0, 2.0, 0.3, graphed=True) == pytest.approx(2.0 + 1.45 + 0.05)
-    assert model.two_batch_time(1.0, 0.5, 1.0, 0.2, 0.3, pipeline_overhead=0.0, graphed=True) == pytest.approx(2.55)
+
+    def times(host0: float) -> list[StageTimes]:
+        return [StageTimes(1.0, 0.5, host0), StageTimes(1.0, 0.0, 0.3)]
+
+    # max(linear1 + o/2, host0) + max(linear0 + gpu0 + o/2, host1) + iteration overhead
+    assert model.iteration_time(ASYMMETRIC, times(0.2)) == pytest.approx(1.2 + 1.7 + 0.05)
+    assert model.iteration_time(ASYMMETRIC, times(0.2), graphed=True) == pytest.approx(0.95 + 1.45 + 0.05)
+    assert model.iteration_time(ASYMMETRIC, times(2.0), graphed=True) == pytest.approx(2.0 + 1.45 + 0.05)
+    assert model.iteration_time(ASYMMETRIC, times(0.2), graphed=True, launch_overhead=0.0) == pytest.approx(2.55)
+    # One sub-batch: the iteration overhead alone.
+    assert model.iteration_time(SEQUENTIAL, times(0.2)[:1], graphed=True) == pytest.approx(1.7 + 0.05)
 
 
 @pytest.mark.parametrize("measured, lowest, expected", [(3.0, 0.0, 0.8), (2.0, 0.0, 0.0), (2.0, -2.0, -0.2)])
@@ -55,8 +63,8 @@ def test_pipeline_overhead_makes_the_model_meet_the_measured_time(measured, lowe
     """The overhead solved for a measured two-sub-batch iteration; one faster than its stages
     add up to gets a negative overhead where allowed (graph replays), else none."""
     model = PerfModel(PerfTable())
-    stages = (1.0, 0.2, 1.0, 0.1, 0.1)  # 2.2 s of stages, host attention hidden
-    assert Profiler._overhead_for(model, stages, measured, lowest) == pytest.approx(expected, abs=1e-9)
+    times = [StageTimes(1.0, 0.2, 0.1), StageTimes(1.0, 0.0, 0.1)]  # 2.2 s of stages, host attention hidden
+    assert Profiler._overhead_for(model, ASYMMETRIC, times, measured, lowest) == pytest.approx(expected, abs=1e-9)
 
 
 def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
@@ -76,7 +84,7 @@ def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
     assert table["graph_decode_requests"] == []  # no CUDA graphs on the CPU
     engine = LLMEngine(EngineConfig(policy="neo", perf_model=str(path), **SMALL))
     try:
-        model = engine.scheduler.perf_model
+        model = engine.scheduler.estimates.perf_model
         assert not model.is_zero and model.linear(256) == pytest.approx(table["linear_seconds"][-1])
     finally:
         engine.close()

@@ -32,11 +32,11 @@ class CacheLayout:
 
     @classmethod
     def for_budgets(cls, model: ModelConfig, dtype: torch.dtype, block_size: int,
-                    gpu_bytes: int, cpu_bytes: int) -> "CacheLayout":
+                    gpu_bytes: int, host_bytes: int) -> "CacheLayout":
         layout = cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype, 0, 0)
         return cls(model.num_layers, model.num_kv_heads, block_size, model.head_dim, dtype,
                    num_gpu_blocks=gpu_bytes // layout.block_bytes,
-                   num_host_blocks=cpu_bytes // layout.block_bytes)
+                   num_host_blocks=host_bytes // layout.block_bytes)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -99,8 +99,8 @@ class KVCache:
 
     The compute-device pool lives on ``device``; the host pool in host memory, page-locked when
     the compute device is a GPU so swaps and layer-wise copies run as asynchronous DMA.
-    ``cpu_layers`` are the host pool's layers as CPU tensors (for the host CPU's kernels);
-    ``cpu_layers_for_device`` the same memory as tensors of the compute device, which its
+    ``host_layers`` are the host pool's layers as CPU tensors (for the host CPU's kernels);
+    ``host_layers_for_device`` the same memory as tensors of the compute device, which its
     kernels write directly (on a GPU: over PCIe, through the mapping of the page-locked pool).
     """
 
@@ -108,36 +108,36 @@ class KVCache:
         self.layout = layout
         self.device = device
         self.gpu = _allocate("GPU", layout.pool_shape(layout.num_gpu_blocks), layout.dtype, device)
-        self.cpu = _allocate("host", layout.pool_shape(layout.num_host_blocks), layout.dtype, torch.device("cpu"))
+        self.host = _allocate("host", layout.pool_shape(layout.num_host_blocks), layout.dtype, torch.device("cpu"))
         if device.type == "cuda" and layout.num_host_blocks:
-            logger.info("page-locking the %.1f GiB host KV cache", self.cpu.numel() * self.cpu.element_size() / GIB)
-            _pin(self.cpu)
+            logger.info("page-locking the %.1f GiB host KV cache", self.host.numel() * self.host.element_size() / GIB)
+            _pin(self.host)
         self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
-        self.host_layers = [(self.cpu[i, 0], self.cpu[i, 1]) for i in range(layout.num_layers)]
-        cpu_for_device = self.cpu
+        self.host_layers = [(self.host[i, 0], self.host[i, 1]) for i in range(layout.num_layers)]
+        host_for_device = self.host
         if device.type == "cuda" and layout.num_host_blocks:
-            cpu_for_device = _device_addressed(self.cpu, device)
-        self.host_layers_for_device = [(cpu_for_device[i, 0], cpu_for_device[i, 1]) for i in range(layout.num_layers)]
+            host_for_device = _device_addressed(self.host, device)
+        self.host_layers_for_device = [(host_for_device[i, 0], host_for_device[i, 1]) for i in range(layout.num_layers)]
 
     def close(self) -> None:
         """Unpin the host pool (the tensors are freed when the last reference goes)."""
-        if self.device.type == "cuda" and self.layout.num_host_blocks and self.cpu is not None:
+        if self.device.type == "cuda" and self.layout.num_host_blocks and self.host is not None:
             self.host_layers_for_device = None  # before the memory goes
-            torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())
-            self.cpu = None
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            self.host = None
 
-    def swap_layer(self, layer: int, gpu_to_cpu: torch.Tensor, cpu_to_gpu: torch.Tensor) -> None:
+    def swap_layer(self, layer: int, gpu_to_host: torch.Tensor, host_to_gpu: torch.Tensor) -> None:
         """Copy whole blocks of one layer between the pools.
 
-        gpu_to_cpu: int64 ``[n, 2]`` host tensor of (gpu_block, cpu_block) rows.
-        cpu_to_gpu: int64 ``[m, 2]`` host tensor of (cpu_block, gpu_block) rows.
+        gpu_to_host: int64 ``[n, 2]`` host tensor of (gpu_block, host_block) rows.
+        host_to_gpu: int64 ``[m, 2]`` host tensor of (host_block, gpu_block) rows.
         Runs on the caller's current stream.
         """
         gpu_k, gpu_v = self.gpu_layers[layer]
-        cpu_k, cpu_v = self.host_layers[layer]
-        if gpu_to_cpu.numel():
-            torch.ops.neo.swap_blocks(gpu_k, cpu_k, gpu_to_cpu)
-            torch.ops.neo.swap_blocks(gpu_v, cpu_v, gpu_to_cpu)
-        if cpu_to_gpu.numel():
-            torch.ops.neo.swap_blocks(cpu_k, gpu_k, cpu_to_gpu)
-            torch.ops.neo.swap_blocks(cpu_v, gpu_v, cpu_to_gpu)
+        host_k, host_v = self.host_layers[layer]
+        if gpu_to_host.numel():
+            torch.ops.neo.swap_blocks(gpu_k, host_k, gpu_to_host)
+            torch.ops.neo.swap_blocks(gpu_v, host_v, gpu_to_host)
+        if host_to_gpu.numel():
+            torch.ops.neo.swap_blocks(host_k, gpu_k, host_to_gpu)
+            torch.ops.neo.swap_blocks(host_v, gpu_v, host_to_gpu)

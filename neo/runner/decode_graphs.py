@@ -3,13 +3,12 @@
 A decode-only iteration launches a few hundred small kernels whose launch time on the host can
 exceed their run time on the GPU. The forward (all layers and the final norm) is captured once
 per padded batch size and replayed with the batch's inputs copied into static buffers; the
-logits of the real rows are computed after the replay (one GEMM, its rows padded to a
-``neo.gemm_rows`` bucket), so the graphs keep only small
-hidden-state outputs alive (a captured ``[batch, vocab]`` float32 output per size would hold
-several GiB at a few hundred sequences). Padding
-rows decode a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits
-are dropped. Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider
-than the captured width (longer contexts run eagerly).
+logits of the real rows are computed after the replay (one GEMM, its rows padded to a ``neo.runner.gemm_rows``
+bucket), so the graphs keep only small hidden-state outputs alive (a captured ``[batch, vocab]``
+float32 output per size would hold several GiB at a few hundred sequences). Padding rows decode
+a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits are dropped.
+Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider than the
+captured width (longer contexts run eagerly): the runner's ``GraphCoverage``.
 
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
@@ -90,14 +89,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def can_run(self, inputs: BatchInputs) -> bool:
-        meta = inputs.metadata
-        return (meta.num_prefill_tokens == 0 and meta.num_host_decodes == 0
-                and 0 < meta.num_gpu_decodes <= self.sizes[-1]
-                and meta.gpu_block_table.shape[1] <= self.max_blocks)
-
     def run(self, inputs: BatchInputs) -> torch.Tensor:
-        """Replay for a decode-only batch; returns float32 logits ``[num_decodes, vocab]``."""
+        """Replay for a decode-only batch the runner's ``GraphCoverage`` says these graphs cover;
+        returns float32 logits ``[num_decodes, vocab]``."""
         meta = inputs.metadata
         count = meta.num_gpu_decodes
         size = next(size for size in self.sizes if size >= count)

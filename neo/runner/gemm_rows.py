@@ -65,7 +65,7 @@ def warm_up(model, max_tokens: int, max_sequences: int) -> None:
     ``max_sequences`` rows, so serving meets no GEMM shape for the first time."""
     started = time.perf_counter()
     linears = model.layers[0].gemm_weights()  # every layer's have the same shapes
-    lm_head = model.lm_head_weight
+    lm_head = model.logits_weight()
     token_buckets, sequence_buckets = row_buckets(max_tokens), row_buckets(max_sequences)
     widest = max(weight.shape[1] for weight, _ in linears + [(lm_head, None)])
     # Contiguous [rows, width] views, as the layers' inputs are (cuBLAS keys shapes by strides too).

@@ -2,14 +2,14 @@
 
 Under the async host pipeline (``EngineConfig.host_pipeline="async"``) the host decodes are not
 part of the GPU's iterations. A batch of them is launched on a CUDA stream of its own and goes
-through the layers there, one sub-batch with sequential stages (see ``executor.py``): per layer
-its ``pre`` and ``post`` run on the GPU, its attention on the host CPU. While the host
+through the layers there in the ``host-batch`` stage order (``neo.sched.stage_order``): per
+layer its ``pre`` and ``post`` run on the GPU, its attention on the host CPU. While the host
 attends, the compute stream runs the GPU's own iterations (prefills, GPU decodes), as many as
 fit::
 
     compute stream | iteration k          | iteration k+1       | iteration k+2       | ...
     host stream    | pre(h,0) .............. post(h,0) pre(h,1) ............. post(h,1) ...
-    host CPU       |           attn_cpu(h,0)                    attn_cpu(h,1)
+    host CPU       |           attn_host(h,0)                   attn_host(h,1)
 
 So the GPU never waits for the host, and the host never waits for the GPU's iterations, only
 for the batch's own ``pre``/``post`` (the stream has high priority). Each host batch reads all
@@ -18,14 +18,14 @@ the weights once, on top of the GPU's iterations: that is the price of the batch
 The batch's pipeline graphs and the GPU iterations' decode graphs replay at the same time on
 two streams, so each owner captures on a stream of its own: graphs captured on one stream share
 its cuBLAS workspace, and concurrent GEMMs on a shared workspace deadlocked the GPU (see
-``neo.cuda_graphs``).
+``neo.runner.decode_graphs``).
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
 (``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph
 when one fits, so launching it costs the launching thread about one graph replay. The sampled
 tokens are copied to pinned memory behind an event that ``collect`` polls. Where host work
-cannot be ordered on streams (no CUDA, or no ISPC kernels), a batch runs to completion when it
-is launched.
+cannot be ordered on streams (no CUDA, or CPU kernels written in Python), a batch runs to
+completion when it is launched.
 """
 
 import time
@@ -34,27 +34,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_inputs import build_batch_inputs
-from .host_worker import HostAttentionWorker
-from .executor import PipelineExecutor
 from neo.kv.kv_cache import KVCache
-from .pipeline_graphs import PipelineGraphs
 from neo.request import Request
-from .sampler import Sampler
+from neo.sched.runner_output import HostBatchOutput
 from neo.sched.scheduler_output import SubBatch
+from neo.sched.stage_order import HOST_BATCH
+
+from .batch_inputs import build_batch_inputs
+from .executor import PipelineExecutor
+from .host_attention import HostKernels
+from .host_worker import HostAttentionWorker
+from .pipeline_graphs import PipelineGraphs
+from .sampler import Sampler
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
-
-
-@dataclass
-class HostBatchResult:
-    """A completed host batch."""
-
-    requests: list[Request]
-    tokens: list[int]  # one sampled token per request, in ``requests`` order
-    seconds: float  # from launch until its tokens were on the host
-    host_seconds: float  # host functions' (or the worker's) time
-    replayed_graph: bool
+POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
 
 
 @dataclass
@@ -67,20 +61,20 @@ class _InFlight:
     launched_at: float
     host_seconds: float | None  # known at launch when it ran to completion
     replayed_graph: bool
+    wait_seconds: float = 0.0  # spent in ``collect`` waiting for it
 
 
 class HostBatchRunner:
     """Launches one host batch at a time and hands back its tokens once it has completed."""
 
-    def __init__(self, model, kv_cache: KVCache, worker: HostAttentionWorker, device: torch.device,
-                 max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
+    def __init__(self, model, kv_cache: KVCache, host_kernels: HostKernels, worker: HostAttentionWorker,
+                 device: torch.device, max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
                  pad_rows: bool = False):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
-        many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.gemm_rows`` buckets."""
+        many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.runner.gemm_rows`` buckets."""
         self.device = device
         self.block_size = kv_cache.layout.block_size
-        self.worker = worker
-        self.executor = PipelineExecutor(model, kv_cache, device, worker, max_host_decodes=max_decodes,
+        self.executor = PipelineExecutor(model, kv_cache, device, host_kernels, worker, max_host_decodes=max_decodes,
                                          max_blocks_per_sequence=max_blocks_per_sequence, pad_rows=pad_rows)
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -112,10 +106,10 @@ class HostBatchRunner:
             logits = None
             shape = self.graphs.shape([inputs]) if self.graphs is not None else None
             if shape is not None:
-                logits = self.graphs.run([inputs], shape)
+                logits = self.graphs.run([inputs], shape, HOST_BATCH)
             replayed = logits is not None
             if logits is None:
-                logits = self.executor.run([inputs], NO_SWAPS, NO_SWAPS)
+                logits = self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
             sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
             done = ended = None
             if self.stream is not None:
@@ -131,7 +125,7 @@ class HostBatchRunner:
             if done is not None:
                 done.synchronize()
             done = None
-            host_seconds = self.worker.take_busy_seconds()
+            host_seconds = self.executor.host_busy_seconds()
         self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed)
 
     def ready(self) -> bool:
@@ -139,12 +133,19 @@ class HostBatchRunner:
         flight = self._in_flight
         return flight is not None and (flight.done is None or flight.done.query())
 
-    def collect(self, wait: bool) -> HostBatchResult | None:
-        """The batch in flight once it has completed (``wait``: block until then); None when
-        none is in flight, or it is still running and not ``wait``. Raises what failed in its
-        host work (the batch is over either way)."""
+    def collect(self, wait_seconds: float) -> HostBatchOutput | None:
+        """The batch in flight once it has completed, waiting up to ``wait_seconds`` for it;
+        None when none is in flight or it is still running. Raises what failed in its host work
+        (the batch is over either way)."""
         flight = self._in_flight
-        if flight is None or not (wait or self.ready()):
+        if flight is None:
+            return None
+        waited = time.perf_counter()
+        deadline = waited + wait_seconds
+        while not self.ready() and time.perf_counter() < deadline:
+            time.sleep(POLL_SECONDS)
+        flight.wait_seconds += time.perf_counter() - waited
+        if not self.ready():
             return None
         self._in_flight = None
         if flight.done is not None:
@@ -155,8 +156,8 @@ class HostBatchRunner:
         else:
             seconds = time.perf_counter() - flight.launched_at
         host_seconds = flight.host_seconds if flight.host_seconds is not None else self.executor.host_busy_seconds()
-        return HostBatchResult(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
-                               flight.replayed_graph)
+        return HostBatchOutput(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
+                               flight.replayed_graph, flight.wait_seconds)
 
     def _timing_event(self) -> torch.cuda.Event | None:
         if self.stream is None:

@@ -1,4 +1,5 @@
-"""``CpuAttentionWorker``: the host thread that runs decode attention over the host KV cache."""
+"""``HostAttentionWorker``: the host thread that runs decode attention over the host KV cache
+where the stream-ordered hand-off cannot (``neo.runner.host_attention``)."""
 
 import os
 import threading

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from neo.models.attention_metadata import AttentionMetadata
+from neo.sched.stage_order import StageOrder
 from .batch_inputs import BatchInputs
 from .decode_graphs import graph_block_width
-from .executor import PipelineExecutor
+from .executor import MAX_SUB_BATCHES, PipelineExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,7 @@ class PipelineGraphs:
         self.sizes = padded_counts(max_decodes)
         self.max_blocks = graph_block_width(max_context, block_size)
         largest = self.sizes[-1]
-        self.inputs = [StaticInputs(2 * largest, largest, self.max_blocks, device)
-                       for _ in range(len(executor.stages))]
+        self.inputs = [StaticInputs(2 * largest, largest, self.max_blocks, device) for _ in range(MAX_SUB_BATCHES)]
         self.captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self.pool = None
         self.capture_stream = torch.cuda.Stream(device)  # see ``neo.cuda_graphs``: a workspace of its own
@@ -152,15 +152,18 @@ class PipelineGraphs:
         return graph_shape([inputs.metadata for inputs in batches], self.sizes, self.max_blocks)
 
     @torch.inference_mode()
-    def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
-        """Replay ``shape`` (from ``shape``) for the plan; returns float32 logits ``[requests,
-        vocab]`` in batch order, or None when the capture failed (run the plan eagerly)."""
-        capture = self.captures.get(shape)
+    def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...],
+            order: StageOrder) -> torch.Tensor | None:
+        """Replay ``shape`` (from ``shape``) in ``order`` for the plan; returns float32 logits
+        ``[requests, vocab]`` in batch order, or None when the capture failed (run the plan
+        eagerly)."""
+        key = (order.name, shape)
+        capture = self.captures.get(key)
         if capture is None:
-            capture = self._capture(shape)
+            capture = self._capture(shape, order)
             if capture is None:
                 return None
-        self.captures.move_to_end(shape)
+        self.captures.move_to_end(key)
         self.executor.prepare([inputs.metadata for inputs in batches])
         for static, inputs, (gpu_rows, host_rows) in zip(self.inputs, batches, shape):
             static.load(inputs, gpu_rows, host_rows)
@@ -170,7 +173,7 @@ class PipelineGraphs:
                 for row in static.real_rows(hidden, inputs, gpu_rows)]
         return self.executor.compute_logits(torch.cat(rows))
 
-    def _capture(self, shape: tuple[tuple[int, int], ...]) -> _Capture | None:
+    def _capture(self, shape: tuple[tuple[int, int], ...], order: StageOrder) -> _Capture | None:
         while len(self.captures) >= self.capacity:
             self.captures.popitem(last=False)
         metadata = [static.metadata(gpu_rows, host_rows)
@@ -181,7 +184,7 @@ class PipelineGraphs:
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
                                   capture_error_mode="thread_local"):
-                hidden = self.executor.forward_all_rows(input_ids, metadata)
+                hidden = self.executor.forward_all_rows(input_ids, metadata, order)
         except RuntimeError as error:
             self.enabled = False
             self.captures.clear()
@@ -190,6 +193,7 @@ class PipelineGraphs:
             return None
         self.pool = graph.pool()
         capture = _Capture(graph, hidden, self.executor.take_wait_events())
-        self.captures[shape] = capture
-        logger.info("captured a pipelined decode CUDA graph for (GPU, host) rows %s", shape)
+        self.captures[(order.name, shape)] = capture
+        logger.info("captured a pipelined decode CUDA graph for (GPU, host) rows %s in the %s order", shape,
+                    order.name)
         return capture

@@ -1,8 +1,8 @@
 """``neo profile``: measure this machine's stage times into a ``PerfTable``.
 
-Measured with the engine's own model, KV pools, kernels and host worker, every layer on its own
-cache, with block tables laid out as the block manager hands out fresh blocks (each request's
-blocks consecutive):
+Measured through the engine's own runner (its model, KV pools, kernels and host side), every
+layer on its own cache, with block tables laid out as the block manager hands out fresh blocks
+(each request's blocks consecutive):
 
 - linear: pre- and post-attention stages of every layer for a sub-batch of T decode tokens;
 - gpu_attention: paged decode attention over the GPU pool vs context tokens;
@@ -10,18 +10,19 @@ blocks consecutive):
 - host_attention: host K/V store + decode attention vs (requests, context tokens), timed inside
   real iterations of host decodes through the engine's executor (the host functions' own
   time), so the figure is what the engine's host work costs, hand-off included;
-- pipeline_overhead / iteration_overhead: measured iteration time of small real plans minus
-  what the tables above predict for them (launches, hand-offs, copies, input preparation);
-  pipeline_graph_overhead: the same two-sub-batch plan replayed from a pipeline CUDA graph;
-  host_batch_overhead: a small host batch of the async host pipeline, launched and collected
-  (engines with that pipeline);
+- pipeline_overhead / iteration_overhead: the overheads that make the cost function
+  (``neo.sched.cost``, with the engine's stage orders) meet the measured time of small real
+  plans (launches, hand-offs, copies, input preparation); pipeline_graph_overhead: the same
+  two-sub-batch plan replayed from a pipeline CUDA graph; host_batch_overhead: a small host
+  batch of the async host pipeline, launched and collected (engines with that pipeline);
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
-The table is keyed by model shape, dtype, device, block size, host threads and the compiled
-kernels' builds (a digest of each extension file: rebuilt kernels are profiled again), and cached
-under ``$NEO_CACHE_DIR`` (default ``~/.cache/neo``) so the engine profiles once per machine
-(and again for an engine whose limits or pools reach beyond the cached table's points).
+The table is keyed by model shape, dtype, device, block size, host threads, the CPU attention
+kernel, the two-sub-batch stage order and the compiled kernels' builds (a digest of each
+extension file: rebuilt kernels are profiled again), and cached under ``$NEO_CACHE_DIR``
+(default ``~/.cache/neo``) so the engine profiles once per machine (and again for an engine
+whose limits or pools reach beyond the cached table's points).
 """
 
 import hashlib
@@ -31,23 +32,28 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from neo.ops import build_fingerprints
-
 from neo.models.attention_metadata import AttentionMetadata
-from neo.config import EngineConfig
-from neo.sched.perf_model import PerfModel, PerfTable
+from neo.models.config import ModelConfig
+from neo.ops import build_fingerprints
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
+from neo.sched.block_manager import BlockManager
+from neo.sched.cost import StageTimes, iteration_seconds
+from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
+from neo.sched.stage_order import HOST_BATCH, SEQUENTIAL, StageOrder
+
+from .model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 7
+PROFILE_METHOD = 8
 
 
 def cache_directory() -> str:
@@ -56,38 +62,36 @@ def cache_directory() -> str:
     return os.path.join(root, "perf")
 
 
-def table_key(engine) -> dict:
-    model = engine.model_config
-    device = engine.device
-    return {
-        "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
-                        model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "block_size": engine.config.block_size,
-        "cpu_threads": engine.worker.num_threads if engine.worker else 0,
-        "method": PROFILE_METHOD,
-        "kernels": build_fingerprints(),
-    }
+def pre_fraction(model: ModelConfig) -> float:
+    """The QKV projection's share of a layer's GEMM weights: of a sub-batch's linear time, the
+    part in ``pre`` (decode GEMMs read every weight once; prefill GEMMs' work grows with them)."""
+    qkv = model.hidden_size * (model.q_size + 2 * model.kv_size)
+    rest = model.q_size * model.hidden_size + 3 * model.hidden_size * model.intermediate_size
+    return qkv / (qkv + rest)
 
 
-def default_table_path(engine) -> str:
-    digest = hashlib.sha256(json.dumps(table_key(engine), sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(cache_directory(), f"{digest}.json")
+@dataclass(frozen=True)
+class ProfileLimits:
+    """The engine's limits the tables must reach."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
 
 
-def load_perf_model(config: EngineConfig, engine) -> PerfModel:
-    """The perf model the engine's scheduler uses (see ``EngineConfig.perf_model``)."""
-    if config.perf_model == "zero":
+def load_perf_model(setting: str, profiler: "Profiler") -> PerfModel:
+    """The perf model the engine's scheduler uses (see ``EngineConfig.perf_model``): ``zero``,
+    a table's path, or ``auto`` (the cached table of this machine and engine, profiled with
+    ``profiler`` when there is none or it does not reach the engine's limits)."""
+    if setting == "zero":
         return PerfModel.zero()
-    if config.perf_model != "auto":
-        table = PerfTable.load(config.perf_model)
-        if table.key != table_key(engine):
+    if setting != "auto":
+        table = PerfTable.load(setting)
+        if table.key != profiler.key():
             logger.warning("perf model %s was measured for %s, not for this engine (%s)",
-                           config.perf_model, table.key, table_key(engine))
+                           setting, table.key, profiler.key())
         return PerfModel(table)
-    path = default_table_path(engine)
-    profiler = Profiler(engine)
+    path = profiler.default_path()
     if os.path.exists(path):
         cached = PerfTable.load(path)
         missing = profiler.uncovered(cached)
@@ -103,22 +107,6 @@ def load_perf_model(config: EngineConfig, engine) -> PerfModel:
     return PerfModel(table)
 
 
-def profile_to_file(config: EngineConfig, path: str | None) -> str:
-    """``neo profile``: build an engine, measure, write the table; returns its path."""
-    from neo.engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(**{**config.__dict__, "perf_model": "zero",
-                                       "policy": "neo" if config.policy == "gpu-only" else config.policy}))
-    try:
-        table = Profiler(engine).run()
-        path = path or default_table_path(engine)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        table.save(path)
-    finally:
-        engine.close()
-    return path
-
-
 def _geometric(low: int, high: int, factor: float = 2.0) -> list[int]:
     points, value = [], low
     while value < high:
@@ -129,27 +117,56 @@ def _geometric(low: int, high: int, factor: float = 2.0) -> list[int]:
 
 
 class Profiler:
-    """Measures stage times on an engine whose pools are empty."""
+    """Measures stage times through a runner whose pools are empty."""
 
-    def __init__(self, engine, repeats: int = 3):
-        self.engine = engine
-        self.model = engine.model
-        self.device = engine.device
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, limits: ProfileLimits, host_threads: int,
+                 host_kernel: str, stage_order: StageOrder, repeats: int = 3):
+        """``host_threads``, ``host_kernel``: the host side's threads and CPU attention kernel;
+        ``stage_order``: the lockstep pipeline's two-sub-batch order (part of the key)."""
+        self.runner = runner
+        self.block_manager = block_manager
+        self.limits = limits
+        self.host_threads = host_threads
+        self.host_kernel = host_kernel
+        self.stage_order = stage_order
         self.repeats = repeats
-        self.config = engine.config
-        self.model_config = engine.model_config
+        self.model = runner.model
+        self.model_config: ModelConfig = runner.model.config
+        self.layout = runner.kv_cache.layout
+        self.device = runner.device
         self.rng = random.Random(0)
+
+    def key(self) -> dict:
+        """What the table is measured on: a cached table serves only an engine of the same key."""
+        model = self.model_config
+        return {
+            "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
+                            model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
+            "dtype": str(self.layout.dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "block_size": self.layout.block_size,
+            "cpu_threads": self.host_threads,
+            "cpu_attention_kernel": self.host_kernel,
+            "stage_order": self.stage_order.name,
+            "method": PROFILE_METHOD,
+            "kernels": build_fingerprints(),
+        }
+
+    def default_path(self) -> str:
+        """The table's place in the cache."""
+        digest = hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(cache_directory(), f"{digest}.json")
 
     def _points(self) -> dict[str, list[int]]:
         """The points each table is measured at, from this engine's limits and pools."""
-        max_tokens = self.config.max_num_batched_tokens
-        gpu_capacity = self.engine.layout.num_gpu_blocks * self.config.block_size
-        host_capacity = self.engine.layout.num_host_blocks * self.config.block_size
+        max_tokens = self.limits.max_num_batched_tokens
+        gpu_capacity = self.layout.num_gpu_blocks * self.layout.block_size
+        host_capacity = self.layout.num_host_blocks * self.layout.block_size
         return {
             "batched tokens": _geometric(1, max_tokens),
             "GPU context": _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else [],
-            "prompt length": _geometric(16, min(max_tokens, self.engine.max_model_len - 1), 2.0),
-            "host requests": [r for r in (1, 8, 32, 128, 512) if r <= self.config.max_num_seqs] or [1],
+            "prompt length": _geometric(16, min(max_tokens, self.limits.max_model_len - 1), 2.0),
+            "host requests": [r for r in (1, 8, 32, 128, 512) if r <= self.limits.max_num_seqs] or [1],
             "host context": _geometric(256, max(256, min(host_capacity, 1 << 21)), 4.0) if host_capacity >= 256 else [],
             "graph batch": self._graph_decode_points(),
         }
@@ -174,7 +191,7 @@ class Profiler:
                 for name in points if wanted[name] > reached[name]]
 
     def run(self) -> PerfTable:
-        table = PerfTable(key=table_key(self.engine))
+        table = PerfTable(key=self.key(), pre_fraction=pre_fraction(self.model_config))
         points = self._points()
         token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
         prefill_points, request_points = points["prompt length"], points["host requests"]
@@ -201,7 +218,7 @@ class Profiler:
                     lengths = self._host_lengths(requests, context)
                     if sum(lengths) not in tokens:
                         tokens.append(sum(lengths))
-                        seconds.append(self._cpu_attention(lengths))
+                        seconds.append(self._host_attention(lengths))
                     progress.update(1)
                 table.host_attention_tokens.append(tokens)
                 table.host_attention_seconds.append(seconds)
@@ -257,11 +274,11 @@ class Profiler:
     @torch.inference_mode()
     def _linear(self, num_tokens: int) -> None:
         meta = self._metadata(num_tokens)
-        hidden = torch.randn(num_tokens, self.model_config.hidden_size, dtype=self.engine.dtype,
+        hidden = torch.randn(num_tokens, self.model_config.hidden_size, dtype=self.layout.dtype,
                              device=self.device) * 0.1
         residual = None
         for index, layer in enumerate(self.model.layers):
-            k_cache, v_cache = self.engine.kv_cache.gpu_layers[index]
+            k_cache, v_cache = self.runner.kv_cache.gpu_layers[index]
             query, _, _, residual = layer.pre_attention(hidden, residual, meta, k_cache, v_cache)
             attention_output = torch.zeros_like(query)
             hidden, residual = layer.post_attention(attention_output, residual, meta)
@@ -269,7 +286,7 @@ class Profiler:
     def _block_table(self, lengths: list[int], num_blocks: int) -> torch.Tensor:
         """Each request's blocks consecutive, requests in shuffled order from block 0: what the
         block manager hands out from a fresh pool (wrapping around a pool too small)."""
-        block_size = self.config.block_size
+        block_size = self.layout.block_size
         counts = [-(-length // block_size) for length in lengths]
         order = list(range(len(lengths)))
         self.rng.shuffle(order)
@@ -286,21 +303,21 @@ class Profiler:
 
     @torch.inference_mode()
     def _gpu_attention(self, context: int) -> float:
-        num_sequences = max(1, min(self.config.max_num_seqs, context // 512))
+        num_sequences = max(1, min(self.limits.max_num_seqs, context // 512))
         lengths = self._split(context, num_sequences)
-        k_cache, v_cache = self.engine.kv_cache.gpu_layers[0]
+        k_cache, v_cache = self.runner.kv_cache.gpu_layers[0]
         table = self._block_table(lengths, k_cache.shape[0]).to(self.device)
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
         config = self.model_config
-        query = torch.randn(num_sequences, config.num_heads, config.head_dim, dtype=self.engine.dtype, device=self.device)
+        query = torch.randn(num_sequences, config.num_heads, config.head_dim, dtype=self.layout.dtype, device=self.device)
         output = torch.empty_like(query)
         layers = config.num_layers
 
         def run():
             for index in range(layers):
-                layer_k, layer_v = self.engine.kv_cache.gpu_layers[index]
+                layer_k, layer_v = self.runner.kv_cache.gpu_layers[index]
                 torch.ops.neo.paged_decode_attention(output, query, layer_k, layer_v, table, seq_lens,
-                                                     config.head_dim ** -0.5)
+                                                     self.model.layers[0].scale)
 
         return self._time(run)
 
@@ -308,153 +325,155 @@ class Profiler:
     def _prefill_attention(self, length: int) -> float:
         config = self.model_config
         shape = (length, config.num_heads, config.head_dim)
-        query = torch.randn(shape, dtype=self.engine.dtype, device=self.device)
-        key = torch.randn(length, config.num_kv_heads, config.head_dim, dtype=self.engine.dtype, device=self.device)
+        query = torch.randn(shape, dtype=self.layout.dtype, device=self.device)
+        key = torch.randn(length, config.num_kv_heads, config.head_dim, dtype=self.layout.dtype, device=self.device)
         output = torch.empty_like(query)
         cu_seqlens = torch.tensor([0, length], dtype=torch.int32, device=self.device)
 
         def run():
             for _ in range(config.num_layers):
                 torch.ops.neo.prefill_attention(output, query, key, key, cu_seqlens, length,
-                                                config.head_dim ** -0.5)
+                                                self.model.layers[0].scale)
 
         return self._time(run)
 
     def _host_lengths(self, num_requests: int, context: int) -> list[int]:
         """``num_requests`` equal lengths adding up to about ``context`` tokens, each within the
         model's length and all within the host pool (each request also needs its next slot)."""
-        block_size = self.config.block_size
-        per_request_blocks = self.engine.layout.num_host_blocks // num_requests
-        length = min(max(1, context // num_requests), self.engine.max_model_len - 1,
+        block_size = self.layout.block_size
+        per_request_blocks = self.layout.num_host_blocks // num_requests
+        length = min(max(1, context // num_requests), self.limits.max_model_len - 1,
                      per_request_blocks * block_size - 1)
         return [length] * num_requests
 
-    def _cpu_attention(self, lengths: list[int]) -> float:
+    def _host_attention(self, lengths: list[int]) -> float:
         """Host time of one iteration in which requests of ``lengths`` decode on the host."""
-        requests = self._requests(KVLocation.HOST, lengths)
-        plan = SchedulerOutput(sub_batches=[SubBatch(host_decodes=requests)])
+        requests = self.allocate_requests(KVLocation.HOST, lengths)
+        plan = SchedulerOutput(sub_batches=[SubBatch(host_decodes=requests)], stage_order=SEQUENTIAL)
         try:
-            samples = []
-            for _ in range(self.repeats + 1):
-                if self.engine.worker is not None:
-                    self.engine.worker.take_busy_seconds()
-                self.engine.runner.execute(plan)
-                host = self.engine.runner.host_busy_seconds()
-                samples.append(self.engine.worker.take_busy_seconds() if host is None else host)
+            samples = [self.runner.execute(plan).host_seconds for _ in range(self.repeats + 1)]
             return statistics.median(samples[1:])
         finally:
-            for request in requests:
-                self.engine.block_manager.free(request)
+            self.free_requests(requests)
 
     # -- overheads -----------------------------------------------------------------------------
 
-    def _requests(self, location: KVLocation, lengths: list[int]) -> list[Request]:
+    def allocate_requests(self, location: KVLocation, lengths: list[int]) -> list[Request]:
         """Requests of these lengths allocated in ``location``'s pool, each about to decode its
         last prompt token."""
-        manager = self.engine.block_manager
         requests = []
         for index, length in enumerate(lengths):
             request = Request(f"profile-{location.value}-{index}", [1] * length, SamplingParams(max_tokens=1))
-            manager.allocate(request, location)
+            self.block_manager.allocate(request, location)
             request.num_cached_tokens = length - 1
             requests.append(request)
         return requests
 
+    def free_requests(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.block_manager.free(request)
+
     def _measure_plan(self, plan: SchedulerOutput) -> float:
-        return self._time(lambda: self.engine.runner.execute(plan))
+        return self._time(lambda: self.runner.execute(plan))
 
     def _iteration_overhead(self, model: PerfModel) -> float:
-        requests = self._requests(KVLocation.GPU, [256])
+        """The fixed overhead that makes the sequential order's cost meet a small measured
+        decode iteration."""
+        requests = self.allocate_requests(KVLocation.GPU, [256])
         try:
-            measured = self._measure_plan(SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)]))
+            measured = self._measure_plan(SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)],
+                                                          stage_order=SEQUENTIAL))
         finally:
-            for request in requests:
-                self.engine.block_manager.free(request)
-        return max(0.0, measured - model.linear(1) - model.gpu_attention(256))
+            self.free_requests(requests)
+        stages = iteration_seconds(SEQUENTIAL, [StageTimes(model.linear(1), model.gpu_attention(256), 0.0)],
+                                   model.table.pre_fraction)
+        return max(0.0, measured - stages)
 
     def _graph_decode_context(self) -> int:
-        return self.config.block_size  # one block per request
+        return self.layout.block_size  # one block per request
 
     def _graph_decode_points(self) -> list[int]:
         """Request counts of the graph-decode table: up to the largest captured batch, each
         request in a block of its own; none without graphs."""
-        graphs = self.engine.runner.decode_graphs
-        if graphs is None:
-            return []
-        largest = min(graphs.sizes[-1], self.engine.layout.num_gpu_blocks)
+        largest = min(self.runner.graph_coverage.decode_max_requests, self.layout.num_gpu_blocks)
         return _geometric(1, largest, 4.0) if largest >= 1 else []
 
     def _graph_decode(self, num_requests: int) -> float:
-        requests = self._requests(KVLocation.GPU, [self._graph_decode_context()] * num_requests)
-        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)])
+        requests = self.allocate_requests(KVLocation.GPU, [self._graph_decode_context()] * num_requests)
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)], stage_order=SEQUENTIAL)
         try:
             seconds = self._measure_plan(plan)
-            if not self.engine.runner.replayed_graph:
+            if not self.runner.execute(plan).replayed_graph:
                 raise RuntimeError(f"the decode of {num_requests} requests did not replay a CUDA graph")
             return seconds
         finally:
-            for request in requests:
-                self.engine.block_manager.free(request)
+            self.free_requests(requests)
 
     def _pipeline_overheads(self, model: PerfModel) -> tuple[float, float]:
-        """(eager, replayed from a pipeline graph) overheads of a small two-sub-batch decode
-        plan over its stage times; the graph's is the eager one where the engine has no
+        """(eager, replayed from a pipeline graph) launch overheads of a small two-sub-batch
+        decode plan in the engine's order; the graph's is the eager one where the engine has no
         pipeline graphs."""
-        if self.engine.layout.num_host_blocks < 4 or self.engine.layout.num_gpu_blocks < 32:
+        if self.layout.num_host_blocks < 4 or self.layout.num_gpu_blocks < 32:
             return 0.0, 0.0
-        gpu = self._requests(KVLocation.GPU, [256])
-        host = self._requests(KVLocation.HOST, [256, 256])
+        gpu = self.allocate_requests(KVLocation.GPU, [256])
+        host = self.allocate_requests(KVLocation.HOST, [256, 256])
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:1]),
-                                            SubBatch(host_decodes=host[1:])])
-        runner = self.engine.runner
-        graphs = runner.pipeline_graphs
+                                            SubBatch(host_decodes=host[1:])], stage_order=self.stage_order)
+        coverage = self.runner.graph_coverage
+        graphed = coverage.pipeline_max_requests
         try:
-            runner.pipeline_graphs = None
+            coverage.pipeline_max_requests = 0  # eagerly
             try:
                 eager = self._measure_plan(plan)
             finally:
-                runner.pipeline_graphs = graphs
-            replayed = self._measure_plan(plan) if graphs is not None else eager
-            if graphs is not None and not runner.replayed_graph:
-                logger.warning("the pipelined decode plan did not replay a CUDA graph: its overhead "
-                               "is the eager one")
-                replayed = eager
+                coverage.pipeline_max_requests = graphed
+            replayed = eager
+            if graphed:
+                replayed = self._measure_plan(plan)
+                if not self.runner.execute(plan).replayed_graph:
+                    logger.warning("the pipelined decode plan did not replay a CUDA graph: its overhead "
+                                   "is the eager one")
+                    replayed = eager
         finally:
-            for request in gpu + host:
-                self.engine.block_manager.free(request)
-        stages = (model.linear(2), model.gpu_attention(256), model.linear(1), model.host_attention(1, 256),
-                  model.host_attention(1, 256))
-        return (self._overhead_for(model, stages, eager, lowest=0.0),
-                self._overhead_for(model, stages, replayed, lowest=-replayed))
+            self.free_requests(gpu + host)
+        times = [StageTimes(model.linear(2), model.gpu_attention(256), model.host_attention(1, 256)),
+                 StageTimes(model.linear(1), 0.0, model.host_attention(1, 256))]
+        return (self._overhead_for(model, self.stage_order, times, eager, lowest=0.0),
+                self._overhead_for(model, self.stage_order, times, replayed, lowest=-replayed))
 
     def _host_batch_overhead(self, model: PerfModel) -> float:
         """Measured time of a host batch of two 256-token decodes (launched, then collected)
-        minus its stage times; none where the engine runs no host batches."""
-        runner = self.engine.runner
-        if runner.host_batches is None or self.engine.layout.num_host_blocks < 2 * -(-256 // self.config.block_size):
+        over its order's cost without overhead; none where the engine runs no host batches."""
+        runner = self.runner
+        if runner.host_batches is None or self.layout.num_host_blocks < 2 * -(-256 // self.layout.block_size):
             return 0.0
-        requests = self._requests(KVLocation.HOST, [256, 256])
-        plan = SchedulerOutput(host_batch=SubBatch(host_decodes=requests))
+        requests = self.allocate_requests(KVLocation.HOST, [256, 256])
+        batch = SubBatch(host_decodes=requests)
 
         def run():
-            runner.launch_host_batch(plan)
+            runner.launch_host_batch(batch)
             runner.collect_host_batch(wait_seconds=float("inf"))
 
         try:
             measured = self._time(run)
         finally:
-            for request in requests:
-                self.engine.block_manager.free(request)
-        return measured - model.linear(2) - model.host_attention(2, 512)
+            self.free_requests(requests)
+        stages = iteration_seconds(HOST_BATCH, [StageTimes(model.linear(2), 0.0, model.host_attention(2, 512))],
+                                   model.table.pre_fraction)
+        return measured - stages
 
     @staticmethod
-    def _overhead_for(model: PerfModel, stages: tuple, measured: float, lowest: float) -> float:
-        """The overhead (at least ``lowest``) that makes the model's two-sub-batch time of
-        ``stages`` equal the measured one (the time grows with the overhead)."""
+    def _overhead_for(model: PerfModel, order: StageOrder, times: list[StageTimes], measured: float,
+                      lowest: float) -> float:
+        """The launch overhead (at least ``lowest``) that makes the cost of ``order`` with
+        ``times`` equal the measured seconds (the cost grows with the overhead)."""
+        def cost(overhead: float) -> float:
+            return model.iteration_time(order, times, launch_overhead=overhead)
+
         low, high = lowest, measured
-        if model.two_batch_time(*stages, pipeline_overhead=low) >= measured:
+        if cost(low) >= measured:
             return low
         for _ in range(50):
             middle = (low + high) / 2
-            low, high = (middle, high) if model.two_batch_time(*stages, pipeline_overhead=middle) < measured else (low, middle)
+            low, high = (middle, high) if cost(middle) < measured else (low, middle)
         return low

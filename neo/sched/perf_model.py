@@ -2,44 +2,38 @@
 
 Every time is for the whole model (all layers) and in seconds. Tables (from ``neo profile``):
 
-- ``linear``: GPU time of the pre/post-attention stages vs tokens in the sub-batch.
+- ``linear``: GPU time of the pre/post-attention stages vs tokens in the sub-batch
+  (``pre_fraction`` of it in ``pre``: the QKV projection's share of the layer's weights).
 - ``gpu_attention``: GPU decode-attention time vs context tokens of the GPU decodes.
 - ``prefill_attention``: GPU prefill-attention time vs prompt length (one prompt).
 - ``host_attention``: host decode-attention time vs (requests, context tokens): per request
   count a row of (context tokens, seconds) points, interpolated within each row, then
   across the rows.
-- ``pipeline_overhead``: extra time of a two-sub-batch iteration over its stage times
-  (launches, hand-offs, copies), and ``iteration_overhead`` of any iteration;
+- ``pipeline_overhead``: the launch overhead (``neo.sched.cost``) that makes the cost of a
+  small two-sub-batch iteration of the engine's stage order meet its measured time (launches,
+  hand-offs, copies), and ``iteration_overhead`` the fixed overhead of any iteration;
   ``pipeline_graph_overhead`` the same for a decode-only two-sub-batch iteration replayed from
   a CUDA graph (``PipelineGraphs``): no launches, so it may be negative (the replay runs
   faster than the eagerly timed stages add up to).
-- ``host_batch_overhead``: extra time of a host batch of the async host pipeline over its
-  stage times (``linear`` + ``host_attention``, which follow one another): launches, hand-offs,
-  the pipeline graph's replay.
+- ``host_batch_overhead``: the fixed overhead of a host batch of the async host pipeline over
+  its stage order's cost: launches, hand-offs, the pipeline graph's replay.
 - ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
   requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
   empty where the engine has no graphs). Longer contexts add their extra GPU attention time.
   The stage tables are timed eagerly, and on a small model a decode iteration launched kernel
   by kernel takes much longer than its replay.
 
-A two-sub-batch iteration (see ``executor.py``) overlaps per layer the GPU stages of one
-sub-batch with the host attention of the other, so ``two_batch_time`` is
-``max(lin(1) + o/2, cpu(0)) + max(lin(0) + gpu(0) + o/2, cpu(1))`` with ``o`` the pipeline
-overhead: the launching thread's extra work stretches the GPU side and hides under long host
-attention, as it does in the engine.
-
-``PerfModel.zero()`` predicts zero for everything (for tests: the scheduler then admits all
-host decodes and prefers the plan with more tokens).
-
-``HostTimeCalibration`` corrects the profiled host-attention time by what the engine measures
-while it serves (see its docstring).
+``iteration_seconds`` turns stage times into an iteration time with the cost function of
+``neo.sched.cost`` and the table's overheads. ``PerfModel.zero()`` predicts zero for everything
+(for tests: the scheduler then admits all host decodes and prefers the plan with more tokens).
 """
 
 import bisect
 import json
-import statistics
-from collections import deque
 from dataclasses import asdict, dataclass, field
+
+from .cost import StageTimes, iteration_seconds
+from .stage_order import StageOrder
 
 
 def bracket(xs: list[float], x: float) -> list[int]:
@@ -84,6 +78,7 @@ class PerfTable:
     graph_decode_requests: list[float] = field(default_factory=list)
     graph_decode_seconds: list[float] = field(default_factory=list)
     graph_decode_context: int = 0  # tokens per request in the graph_decode points
+    pre_fraction: float = 0.5  # of the linear time, in pre (see the module docstring)
 
     def save(self, path: str) -> None:
         with open(path, "w") as file:
@@ -145,94 +140,24 @@ class PerfModel:
         extra_attention = max(0.0, self.gpu_attention(context_tokens) - self.gpu_attention(profiled_context))
         return interpolate(requests, self.table.graph_decode_seconds, num_requests) + extra_attention
 
-    def two_batch_time(self, linear0: float, gpu0: float, linear1: float, cpu0: float, cpu1: float,
-                       pipeline_overhead: float | None = None, graphed: bool = False) -> float:
-        """Seconds of a two-sub-batch iteration from its stage times (see the module docstring);
-        ``graphed``: replayed from a pipeline graph (its overhead), unless ``pipeline_overhead``
-        is given."""
-        if pipeline_overhead is None:
-            pipeline_overhead = self.table.pipeline_graph_overhead if graphed else self.table.pipeline_overhead
-        half = pipeline_overhead / 2
-        return max(linear1 + half, cpu0) + max(linear0 + gpu0 + half, cpu1) + self.iteration_overhead
+    def iteration_time(self, order: StageOrder, times: list[StageTimes], graphed: bool = False,
+                       launch_overhead: float | None = None) -> float:
+        """Seconds of an iteration of ``order`` from its sub-batches' stage times: the cost
+        function with the table's overheads. A one-sub-batch order carries the iteration
+        overhead alone; a two-sub-batch one also the pipeline's launch overhead (the graph
+        replay's when ``graphed``), unless ``launch_overhead`` is given."""
+        if launch_overhead is None:
+            launch_overhead = 0.0
+            if order.num_sub_batches > 1:
+                launch_overhead = self.table.pipeline_graph_overhead if graphed else self.table.pipeline_overhead
+        return iteration_seconds(order, times, self.table.pre_fraction, launch_overhead, self.iteration_overhead)
 
-    def host_batch_time(self, linear: float, host: float) -> float:
-        """Seconds of a host batch (async host pipeline) from its GPU stages' and its host
-        attention's times."""
-        return linear + host + self.table.host_batch_overhead
+    def host_batch_time(self, order: StageOrder, linear: float, host: float) -> float:
+        """Seconds of a host batch (async host pipeline) of ``order`` from its GPU stages' and its
+        host attention's times."""
+        return iteration_seconds(order, [StageTimes(linear, 0.0, host)], self.table.pre_fraction,
+                                 fixed_overhead=self.table.host_batch_overhead)
 
     @property
     def iteration_overhead(self) -> float:
         return self.table.iteration_overhead
-
-
-class HostTimeCalibration:
-    """A factor on the profiled host-attention time, learned from the engine's iterations.
-
-    The profile times host attention in isolated iterations; in the engine's pipelined ones the
-    same work took 0.67-1.0x as long on the H100 host (the CPU's threads stay busy from layer to
-    layer there), and the ratio moves with the load. The factor is the measured over the
-    profiled host time of the last ``window`` iterations with host decodes (sums, so long
-    iterations weigh more), within ``bounds``.
-
-    Before the first measurement it is ``prior`` (below 1: optimistic, the fastest ratio seen),
-    so that a scheduler that would never offload on the profile alone tries host decodes where
-    they would pay at that speed, measures them, and then follows the measurement. A lower
-    prior explores more: at 0.5 the 8B memory-poor runs admitted requests to the host pool that
-    then went back to the GPU undecoded (9% slower at output 50).
-    """
-
-    def __init__(self, prior: float = 0.67, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
-        if not bounds[0] <= prior <= bounds[1]:
-            raise ValueError(f"prior {prior} is outside the bounds {bounds}")
-        self.bounds = bounds
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profiled, measured)
-        # Read for every host estimate the scheduler makes: kept up to date in ``observe``.
-        self.scale = prior
-
-    @property
-    def samples(self) -> list[tuple[float, float]]:
-        """The (profiled, measured) seconds of the iterations in the window, oldest first."""
-        return list(self._samples)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self._samples)
-
-    def observe(self, profiled_seconds: float, measured_seconds: float) -> None:
-        """One iteration's host attention: the profile's uncorrected estimate and the measured
-        time (ignored unless both are positive)."""
-        if profiled_seconds > 0 and measured_seconds > 0:
-            self._samples.append((profiled_seconds, measured_seconds))
-            profiled = sum(sample[0] for sample in self._samples)
-            measured = sum(sample[1] for sample in self._samples)
-            self.scale = min(max(measured / profiled, self.bounds[0]), self.bounds[1])
-
-
-class HostBatchInterference:
-    """How much slower the GPU's iterations run while a host batch is in flight, measured.
-
-    A host batch (async host pipeline) costs the GPU's iterations more than its own stages'
-    GPU time: its kernels share the SMs, and its host attention's threads share the host with
-    the thread that launches the iterations. On the H100 host, decode iterations beside host
-    batches took 1.10-1.11x their estimate alone on Qwen2.5-32B shapes and 1.02-1.11x on
-    Llama-3.1-8B shapes. Each decode iteration gives the ratio of its measured to its estimated
-    time alone; ``factor`` is the median ratio of the last ``window`` iterations beside a batch over
-    that of those alone (1 while fewer than ``min_samples`` ran alone: the estimate itself),
-    at least 1. None until ``min_samples`` iterations ran beside a batch.
-    """
-
-    def __init__(self, window: int = 64, min_samples: int = 8):
-        self.min_samples = min_samples
-        self._beside: deque[float] = deque(maxlen=window)
-        self._alone: deque[float] = deque(maxlen=window)
-        self.factor: float | None = None
-
-    def observe(self, estimated_alone: float, measured: float, beside_host_batch: bool) -> None:
-        """One decode iteration's estimate alone and measured seconds (ignored unless both
-        are positive)."""
-        if estimated_alone <= 0 or measured <= 0:
-            return
-        (self._beside if beside_host_batch else self._alone).append(measured / estimated_alone)
-        if len(self._beside) >= self.min_samples:
-            alone = statistics.median(self._alone) if len(self._alone) >= self.min_samples else 1.0
-            self.factor = max(1.0, statistics.median(self._beside) / alone)

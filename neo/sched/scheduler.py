@@ -1,44 +1,100 @@
-"""``Scheduler``: decides each iteration's plan. It never touches tensors."""
+"""``Scheduler``: decides each iteration's plan and learns from its results. Never touches tensors.
+
+One core serves every policy; where host decodes go is its pluggable part, a ``Placement``
+(``neo.sched.placement``): none (gpu-only), the lockstep pipeline's two sub-batches, or the
+async pipeline's host batches, each with ``full_offload`` as a parameter. Each iteration:
+
+1. **Slots.** Every running request the placement may plan gets room for its next token, GPU
+   pool first. When a pool runs out, the newest request of that pool is evicted: one that
+   outgrows every pool it may decode in ends; a GPU request moves to the host pool if it has
+   room (where it decodes on, or, under gpu-only, waits as a preempted request to come back);
+   otherwise it gives its blocks back and waits to be prefilled again.
+2. **Returns and admissions.** Requests on the host pool come back to the GPU pool while it has
+   room, oldest first; waiting requests are prefilled within the token budget, into the GPU
+   pool while it has room, else the host pool while the placement judges that more host
+   decodes would pay. Where host decodes pay, admissions go first; where they do not (always
+   under gpu-only), requests on the host come back first and new ones are admitted only once
+   none is left there, as a gpu-only engine swaps in before it admits. Under gpu-only no
+   request comes back in an iteration that had to evict one.
+3. **Placement.** The placement puts host decodes into the plan (sub-batch 1, or a host batch)
+   and estimates it, with what was judged about whether host decodes pay.
+
+Whether host decodes pay is judged again when what it depends on changes (request counts, the
+waiting head, the measured corrections) and at least every ``ECONOMICS_REFRESH_ITERATIONS``;
+judging costs tens of estimates. Host requests always progress: while host decodes pay, or for
+a request that could never fit the GPU pool, no host request waits more than ``max_host_wait``
+iterations for a decode.
+
+Results come back through ``update``: the sampled tokens (appended, finished requests freed),
+the completed host batch, and the measured times, which correct later estimates.
+"""
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
-from .block_manager import BlockManager
 from neo.config import EngineConfig
 from neo.request import KVLocation, Request, RequestStatus
+
+from .block_manager import BlockManager
+from .estimates import Estimates
+from .placement import Placement
+from .runner_output import HostBatchOutput, IterationOutput
 from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
 logger = logging.getLogger(__name__)
 
+ECONOMICS_REFRESH_ITERATIONS = 16
+
+
+def length_limit_reached(request: Request, token: int) -> str | None:
+    """"length" once the request has its ``max_tokens``; the default finish rule (the engine
+    passes one that also knows end-of-sequence tokens, stop strings and the context limit)."""
+    return "length" if request.num_output_tokens >= request.sampling_params.max_tokens else None
+
 
 class Scheduler:
-    """Continuous batching over the two KV pools (gpu-only policy).
-
-    Each iteration: every running request decodes one token (prefill and decode tokens mixed in
-    one batch), waiting requests are prefilled while the token budget
-    (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and free GPU blocks allow.
-    When GPU blocks run out, the most recently admitted requests are preempted by swapping
-    their KV to the host pool (or, if the host pool is full too, by freeing it to recompute
-    later); swapped requests come back, oldest first, before new requests are admitted.
-    """
-
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, placement: Placement,
+                 estimates: Estimates, finish_reason: Callable[[Request, int], str | None] = length_limit_reached,
+                 max_host_wait: int = 4):
+        """``finish_reason(request, token)``: why the request ends after ``token`` (None: it
+        goes on)."""
         self.config = config
         self.block_manager = block_manager
+        self.placement = placement
+        self.estimates = estimates
+        self.finish_reason = finish_reason
+        self.max_host_wait = max_host_wait
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []  # decoding, in the GPU pool or the host pool
+        self.swapped: deque[Request] = deque()  # preempted to the host pool, waiting to come back
         # Keep a few GPU blocks back when admitting, so one more decode token rarely preempts.
         self.watermark_blocks = max(1, block_manager.num_total(GPU) // 100)
         self.num_preemptions = 0
+        self.iteration = 0
+        self._evictions = 0  # in the iteration being planned
+        self.iterations_without_host_decode = 0
+        # Judged for the next iterations: whether host decodes pay at all (else host requests
+        # return to the GPU before new admissions), and whether more of them would raise the
+        # estimated throughput (new requests go to the host pool only then).
+        self.host_decodes_pay = self.host_admission_open = placement.full_offload
+        self._economics_seen: tuple | None = None  # what the last judgement was made on
+        self._economics_iteration = 0
 
-    # -- queue management ----------------------------------------------------------------------
+    # -- queues --------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def abort(self, request: Request, reason: str = "abort") -> None:
+        """End a request; its blocks are free when this returns, unless a host batch in flight
+        still uses them (then they are freed when it completes)."""
+        if self.placement.defer_abort(request):
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            return
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
@@ -50,106 +106,144 @@ class Scheduler:
         request.finish_reason = reason
         self.block_manager.free(request)
 
-    def remove_finished(self) -> None:
-        self.running = [request for request in self.running if not request.is_finished]
-
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests still to finish, or a host batch still to complete (its blocks with it)."""
+        return self.num_unfinished > 0 or self.placement.host_batch_in_flight
+
     # -- planning ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
-        batch = SubBatch()
-        preempted = self._schedule_decodes(batch, output)
-        if not preempted:
-            self._swap_in(batch, output)
-        if not self.swapped:
-            self._admit_prefills(batch, budget=self.config.max_num_batched_tokens - batch.num_tokens)
-        if batch:
-            output.sub_batches.append(batch)
-        return output
+        self.iteration += 1
+        self._evictions = 0
+        plan = SchedulerOutput()
+        batch0 = SubBatch()
+        host_requests = self._make_decode_slots(batch0, plan)
+        host_requests = self._return_and_admit(batch0, host_requests, plan)
+        self._judge_or_reset(host_requests + self.placement.in_flight_requests)
+        self.placement.place(self, batch0, host_requests, plan)
+        for request in plan.requests:
+            request.last_scheduled_iteration = self.iteration
+        return plan
 
-    def observe(self, plan: SchedulerOutput, host_seconds: float, measured_seconds: float) -> None:
-        """What executing ``plan`` measured (its host attention seconds and its own seconds),
-        for schedulers that learn from it; gpu-only does not."""
+    def _make_decode_slots(self, batch0: SubBatch, plan: SchedulerOutput) -> list[Request]:
+        """Slots for every plannable request's next token, GPU pool first. GPU requests go into
+        ``batch0``; returns the host requests that got a slot (GPU requests evicted just now
+        among them), oldest first."""
+        plannable = self.placement.plannable(self.running)
+        gpu_queue = [r for r in plannable if r.location is GPU]
+        while gpu_queue:
+            request = gpu_queue.pop(0)
+            if self._make_slot(request, gpu_queue, plan):
+                batch0.gpu_decodes.append(request)
+        host_queue = [r for r in plannable if r.location is HOST]
+        ready = []
+        while host_queue:
+            request = host_queue.pop(0)
+            if self._make_slot(request, host_queue, plan):
+                ready.append(request)
+        return ready
 
-    def _schedule_decodes(self, batch: SubBatch, output: SchedulerOutput) -> bool:
-        """Give each running request its next slot, preempting the newest when blocks run out."""
+    def _make_slot(self, request: Request, queue: list[Request], plan: SchedulerOutput) -> bool:
+        """Room for ``request``'s next token in its pool. While the pool is full, evict the newest
+        request of ``queue`` (``request`` itself when none is left). True if it got the slot."""
         manager = self.block_manager
-        queue = deque(self.running)
-        scheduled: list[Request] = []
-        preempted = False
-        while queue:
-            request = queue.popleft()
-            while manager.needs_new_block(request) and manager.num_free(GPU) == 0:
-                victim = queue.pop() if queue else request
-                self._preempt(victim, output)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                manager.append_slot(request)
-                scheduled.append(request)
-        self.running = scheduled
-        batch.gpu_decodes.extend(scheduled)
-        return preempted
+        while manager.needs_new_block(request) and manager.num_free(request.location) == 0:
+            victim = queue.pop() if queue else request
+            self._evict(victim, plan)
+            if victim is request:
+                return False
+        manager.append_slot(request)
+        return True
 
-    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        if len(request.block_table) + 1 > self.block_manager.num_total(GPU):
-            # It alone outgrows the GPU pool: it could never come back, so it ends here.
+    def _evict(self, request: Request, plan: SchedulerOutput) -> None:
+        """Out of the request's pool: it ends if it outgrows every pool it may decode in; a GPU
+        request moves to the host pool if it has room (keeping a block for the next token where
+        it decodes there); otherwise it gives its blocks back to be prefilled again."""
+        manager = self.block_manager
+        self._evictions += 1
+        if len(request.block_table) + 1 > max(manager.num_total(pool) for pool in self.placement.decode_pools):
+            self.running.remove(request)
             self.finish(request, "length")
-            output.finished.append(request)
+            plan.finished.append(request)
             return
-        if self.block_manager.can_move(request, HOST):
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-            output.swap_out += self.block_manager.move(request, HOST)
-            request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
-        else:  # no room on the host either: drop the KV and prefill again later
-            self._recompute_or_end(request, output)
+        decodes_on_host = self.placement.decodes_on_host
+        if request.location is GPU and manager.can_move(request, HOST, reserve=1 if decodes_on_host else 0):
+            plan.swap_out += manager.move(request, HOST)
+            if not decodes_on_host:  # preempted: it waits in the host pool to come back
+                request.num_preemptions += 1
+                self.num_preemptions += 1
+                request.status = RequestStatus.SWAPPED
+                self.running.remove(request)
+                self.swapped.append(request)
+            return
+        self._recompute_or_end(request, plan)
 
-    def _recompute_or_end(self, request: Request, output: SchedulerOutput) -> None:
+    def _recompute_or_end(self, request: Request, plan: SchedulerOutput) -> None:
         """Preempt by recompute if the request (prompt + output so far) can be prefilled again
         in one iteration; otherwise it would wait forever and block the queue, so it ends."""
+        if request in self.running:
+            self.running.remove(request)
         if request.num_tokens <= self.config.max_num_batched_tokens:
-            self._recompute_later(request)
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.block_manager.free(request)
+            request.num_cached_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
             return
         logger.warning("request %s ends at %d tokens: no KV pool has room for it and it is longer than "
                        "max_num_batched_tokens=%d, so it cannot be prefilled again", request.request_id,
                        request.num_tokens, self.config.max_num_batched_tokens)
-        if request in self.running:
-            self.running.remove(request)
         self.finish(request, "length")
-        output.finished.append(request)
+        plan.finished.append(request)
 
-    def _recompute_later(self, request: Request) -> None:
-        """Preempt by dropping the request's KV; it waits at the head of the queue to be
-        prefilled again (prompt and output so far)."""
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        if request in self.running:
-            self.running.remove(request)
-        self.block_manager.free(request)
-        request.num_cached_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+    def _return_and_admit(self, batch0: SubBatch, host_requests: list[Request],
+                          plan: SchedulerOutput) -> list[Request]:
+        """Step 2 (see the module docstring); returns the host requests left on the host."""
+        if not self.placement.decodes_on_host:  # gpu-only: preempted requests come back first
+            if not self._evictions:
+                self.swapped = deque(self._return_to_gpu(list(self.swapped), batch0, plan))
+            if not self.swapped:
+                self._admit_prefills(batch0, self._token_budget(batch0, []))
+            return []
+        if self.host_decodes_pay:
+            self._admit_prefills(batch0, self._token_budget(batch0, host_requests))
+            return self._return_to_gpu(host_requests, batch0, plan)
+        host_requests = self._return_to_gpu(host_requests, batch0, plan)
+        if not host_requests:
+            self._admit_prefills(batch0, self._token_budget(batch0, host_requests))
+        return host_requests
 
-    def _swap_in(self, batch: SubBatch, output: SchedulerOutput) -> None:
+    def _token_budget(self, batch0: SubBatch, host_requests: list[Request]) -> int:
+        """Prefill tokens the iteration has room for beside its decodes."""
+        return self.config.max_num_batched_tokens - len(batch0.gpu_decodes) - len(host_requests)
+
+    def _return_to_gpu(self, candidates: list[Request], batch0: SubBatch, plan: SchedulerOutput) -> list[Request]:
+        """Move requests of the host pool back to the GPU pool, oldest first, while it has room
+        (and, for a preempted request, while a sequence may be added) and the placement decodes
+        there; they decode there this iteration. Returns those left on the host."""
         manager = self.block_manager
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            reserve = 1 + (self.watermark_blocks if self.running else 0)
+        if GPU not in self.placement.decode_pools:
+            return candidates
+        for index, request in enumerate(candidates):
+            preempted = request.status is RequestStatus.SWAPPED  # no seat and no slot yet
+            if preempted and len(self.running) >= self.config.max_num_seqs:
+                return candidates[index:]
+            reserve = (1 if preempted else 0) + (self.watermark_blocks if self.running else 0)
             if not manager.can_move(request, GPU, reserve=reserve):
-                break
-            self.swapped.popleft()
-            output.swap_in += manager.move(request, GPU)
-            manager.append_slot(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch.gpu_decodes.append(request)
+                return candidates[index:]
+            plan.swap_in += manager.move(request, GPU)
+            if preempted:
+                manager.append_slot(request)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+            batch0.gpu_decodes.append(request)
+        return []
 
     def _admit_prefills(self, batch: SubBatch, budget: int) -> None:
         """Prefill waiting requests, oldest first, while the budget, the sequence cap and the
@@ -169,6 +263,103 @@ class Scheduler:
             budget -= request.num_tokens
 
     def _prefill_location(self, request: Request) -> KVLocation | None:
-        """The pool a new request's KV goes to, or None if it must wait."""
-        reserve = self.watermark_blocks if self.running else 0  # alone, it may use it all
-        return GPU if self.block_manager.can_allocate(request.num_tokens, GPU, reserve=reserve) else None
+        """The GPU pool while it has room (keeping the watermark unless the request is alone),
+        else the host pool while the placement decodes there and more host decodes would pay
+        (a prompt's KV is copied out layer by layer as the prefill makes it); None: it waits."""
+        pools = self.placement.decode_pools
+        reserve = self.watermark_blocks if self.running else 0
+        if GPU in pools and self.block_manager.can_allocate(request.num_tokens, GPU, reserve=reserve):
+            return GPU
+        if HOST not in pools or (not self.host_admission_open and self.running):  # alone, it always may
+            return None
+        return HOST if self.block_manager.can_allocate(request.num_tokens + 1, HOST) else None
+
+    # -- whether host decodes pay ---------------------------------------------------------------
+
+    def _judge_or_reset(self, host_population: list[Request]) -> None:
+        """Judge whether host decodes pay (``_judge``) while requests wait or live on the host;
+        with neither there is nothing to decide, and gpu-only rules hold until there is."""
+        if self.placement.full_offload or not self.placement.decodes_on_host:
+            return
+        if host_population or self.waiting:
+            self._judge(host_population)
+        else:
+            self.host_decodes_pay = self.host_admission_open = False
+            self._economics_seen = None
+
+    def _judge(self, host_requests: list[Request]) -> None:
+        """Update ``host_decodes_pay`` and ``host_admission_open`` from the placement's
+        economics when their inputs changed or ``ECONOMICS_REFRESH_ITERATIONS`` passed."""
+        gpu_requests = [r for r in self.running if r.location is GPU]
+        seen = (len(gpu_requests), len(host_requests), self.waiting[0].num_tokens if self.waiting else 0,
+                self.placement.measured_corrections(self))
+        if seen == self._economics_seen and self.iteration - self._economics_iteration < ECONOMICS_REFRESH_ITERATIONS:
+            return
+        self._economics_seen, self._economics_iteration = seen, self.iteration
+        self.host_decodes_pay, self.host_admission_open = self.placement.economics(self, gpu_requests, host_requests)
+
+    # -- rules the placements share ------------------------------------------------------------
+
+    @staticmethod
+    def oldest_first(requests: list[Request]) -> list[Request]:
+        """Host requests in fairness order: the longest since they last decoded first."""
+        return sorted(requests, key=lambda r: r.last_scheduled_iteration)
+
+    @property
+    def host_decode_due(self) -> bool:
+        """A host request has waited ``max_host_wait`` iterations for a decode."""
+        return self.iterations_without_host_decode >= self.max_host_wait
+
+    def count_host_wait(self, waited: bool) -> None:
+        """One more iteration in which host requests waited without a decode, or none did."""
+        self.iterations_without_host_decode = self.iterations_without_host_decode + 1 if waited else 0
+
+    def never_fits_gpu(self, request: Request) -> bool:
+        return len(request.block_table) + 1 + self.watermark_blocks > self.block_manager.num_total(GPU)
+
+    def extra_requests(self) -> list[tuple[int, int]]:
+        """(requests, context tokens) of 1, 2, 4, ... more requests like the oldest waiting one,
+        up to the sequence cap (none when nothing waits)."""
+        if not self.waiting:
+            return []
+        length = self.waiting[0].num_tokens + 1
+        extras, extra = [], 1
+        while extra <= self.config.max_num_seqs - len(self.running):
+            extras.append((extra, extra * length))
+            extra *= 2
+        return extras
+
+    # -- results -------------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, output: IterationOutput | None,
+               host_batch: HostBatchOutput | None = None) -> list[Request]:
+        """What executing ``plan`` gave (None when it had nothing to run) and the host batch
+        that completed meanwhile, if any: appends each sampled token, ends the requests that are
+        done (their blocks are free), learns from the measured times. Returns the requests that
+        got a token, plan's first."""
+        decoded = []
+        if output is not None:
+            self.placement.observe(self, plan, output)
+            decoded += self._append(list(zip(plan.requests, output.tokens)))
+        if host_batch is not None:
+            requests = self.placement.host_batch_done(self, host_batch.host_seconds)
+            tokens = dict(zip(map(id, host_batch.requests), host_batch.tokens))
+            decoded += self._append([(request, tokens[id(request)]) for request in requests])
+        return decoded
+
+    def fail_host_batch(self) -> list[Request]:
+        """The host batch in flight failed: frees what aborts left behind and returns its
+        requests (the caller ends them)."""
+        return self.placement.host_batch_done(self, None)
+
+    def _append(self, pairs: list[tuple[Request, int]]) -> list[Request]:
+        requests = []
+        for request, token in pairs:
+            request.num_cached_tokens = request.num_tokens
+            request.append_token(token)
+            reason = self.finish_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+            requests.append(request)
+        self.running = [request for request in self.running if not request.is_finished]
+        return requests

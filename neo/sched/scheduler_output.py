@@ -1,8 +1,10 @@
-"""The plan a scheduler hands to the executor for one iteration."""
+"""The plan a scheduler hands to the runner for one iteration."""
 
 from dataclasses import dataclass, field
 
 from neo.request import Request
+
+from .stage_order import StageOrder
 
 
 @dataclass
@@ -36,12 +38,14 @@ class SubBatch:
 
 @dataclass
 class SchedulerOutput:
-    """One iteration: one sub-batch (sequential stages) or two (asymmetric pipeline), plus the
-    whole-request block copies between pools to perform first (per layer). Under the async host
-    pipeline, ``host_batch`` is a sub-batch of host decodes to launch on the host stream now;
-    it completes in a later iteration (its requests are outside ``requests``)."""
+    """One iteration: one sub-batch or two, the ``stage_order`` they go through the layers in
+    (the one the scheduler's estimate used; None: the runner's order for that many sub-batches),
+    plus the whole-request block copies between pools to perform first (per layer). Under the
+    async host pipeline, ``host_batch`` is a sub-batch of host decodes to launch on the host
+    stream now; it completes in a later iteration (its requests are outside ``requests``)."""
 
     sub_batches: list[SubBatch] = field(default_factory=list)
+    stage_order: StageOrder | None = None
     host_batch: SubBatch | None = None
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, host_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block, gpu_block)
@@ -63,6 +67,10 @@ class SchedulerOutput:
     @property
     def requests(self) -> list[Request]:
         return [request for batch in self.sub_batches for request in batch.requests]
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
 
     @property
     def num_tokens(self) -> int:

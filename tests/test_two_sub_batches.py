@@ -1,4 +1,5 @@
-"""The load-aware scheduler (neo and full-offload policies), without a model."""
+"""The load-aware scheduler of the lockstep pipeline (placement ``TwoSubBatches``; neo and
+full-offload), without a model."""
 
 import random
 
@@ -6,45 +7,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.sched.block_manager import BlockManager
-from neo.config import EngineConfig
-from neo.sched.offload_scheduler import OffloadScheduler
-from neo.sched.perf_model import HostTimeCalibration, PerfModel, PerfTable
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.sched.calibration import HostTimeCalibration
+from neo.sched.cost import StageTimes
+from neo.sched.perf_model import PerfModel
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
+from neo.sched.stage_order import ASYMMETRIC
 
+from scheduler_harness import execute, make_scheduler, requests_of, synthetic_model
 from test_block_manager import check_pools
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
-def synthetic_model(linear_per_token: float, gpu_per_token: float, cpu_per_token: float) -> PerfModel:
-    """Straight-line stage times (seconds), with a fixed cost so small batches are not free."""
-    tokens = [1, 64, 4096, 65536, 1 << 20]
-    return PerfModel(PerfTable(
-        linear_tokens=tokens, linear_seconds=[1e-3 + linear_per_token * t for t in tokens],
-        gpu_attention_tokens=tokens, gpu_attention_seconds=[gpu_per_token * t for t in tokens],
-        prefill_lengths=tokens, prefill_seconds=[gpu_per_token * t * t / 64 for t in tokens],
-        host_attention_requests=[1, 512], host_attention_tokens=[tokens, tokens],
-        host_attention_seconds=[[cpu_per_token * t for t in tokens] for _ in range(2)],
-    ))
-
-
-def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel,
-                   max_num_seqs: int = 64, block_size: int = 16, host_prior: float = 1.0) -> OffloadScheduler:
-    """By default the profile is taken as exact (calibration prior 1, nothing observed)."""
-    config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=2048)
-    manager = BlockManager(gpu_blocks, host_blocks, block_size)
-    return OffloadScheduler(config, manager, perf_model, num_layers=4,
-                            host_calibration=HostTimeCalibration(prior=host_prior))
-
-
-def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, max_steps=20_000,
-          arrivals_per_step: int | None = None) -> None:
+def drive(scheduler, requests: list[Request], on_plan=None, max_steps=20_000,
+          arrivals_per_step: int | None = None, measure=None) -> None:
     """Stand-in for the engine loop: one token per scheduled request per iteration. Requests
-    arrive all at once, or ``arrivals_per_step`` before each iteration."""
+    arrive all at once, or ``arrivals_per_step`` before each iteration. ``measure(plan)``
+    gives the (iteration, host attention) seconds the runner reports."""
     pending = list(requests)
     for _ in range(max_steps):
         arriving = len(pending) if arrivals_per_step is None else arrivals_per_step
@@ -68,12 +49,8 @@ def drive(scheduler: OffloadScheduler, requests: list[Request], on_plan=None, ma
             assert not plan.sub_batches[1].prefills and not plan.sub_batches[1].gpu_decodes
         if on_plan is not None:
             on_plan(plan)
-        for request in plan.requests:
-            request.num_cached_tokens = request.num_tokens
-            request.append_token(5)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                scheduler.finish(request, "length")
-        scheduler.remove_finished()
+        seconds, host_seconds = measure(plan) if measure is not None else (0.01, 0.0)
+        execute(scheduler, plan, seconds, host_seconds)
         check_pools(scheduler.block_manager, requests)
     raise AssertionError("requests did not finish")
 
@@ -82,10 +59,6 @@ def random_requests(rng: random.Random, capacity_tokens: int) -> list[Request]:
     """1-20 requests of random prompt (at most half the largest pool) and output lengths."""
     return [Request(str(i), [2] * rng.randint(1, min(60, capacity_tokens // 2)),
                     SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
-
-
-def requests_of(count: int, prompt_len: int, max_tokens: int) -> list[Request]:
-    return [Request(str(i), [1] * prompt_len, SamplingParams(max_tokens=max_tokens)) for i in range(count)]
 
 
 def test_overflow_goes_to_host_and_runs_two_sub_batches():
@@ -161,7 +134,7 @@ def test_fast_host_admits_overflow_to_the_host_pool():
 
 
 def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
-    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=2e-7)
+    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, host_per_token=2e-7)
     scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128)
     requests = requests_of(64, prompt_len=100, max_tokens=40)
     checked = []
@@ -175,7 +148,7 @@ def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
         linear0 = model.linear(batch0.num_tokens)
         gpu_only = SubBatch(batch0.prefills, batch0.gpu_decodes)
         if gpu_only:  # the two-sub-batch plan beats batch 0 alone by estimated tokens/s
-            alone = scheduler._sequential_time(gpu_only)
+            alone = scheduler.estimates.sequential_time(gpu_only)
             assert len(plan.requests) / plan.predicted_time >= len(gpu_only.requests) / alone
         checked.append((host0 + host1) / (linear0 + model.linear(len(batch1.host_decodes))))
 
@@ -212,7 +185,7 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
     # scheduler offloads until its first measurement, then (from the iteration after next: each
     # iteration decides the next one's admissions) admits new requests to the host pool only if
     # the measured host speed makes that pay.
-    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, cpu_per_token=4e-6)
+    model = synthetic_model(linear_per_token=2e-5, gpu_per_token=1e-8, host_per_token=4e-6)
     requests = requests_of(96, prompt_len=100, max_tokens=40)
     trusting = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128)
     host_prefills = []
@@ -223,19 +196,22 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
     scheduler = make_scheduler("neo", gpu_blocks=30, host_blocks=800, perf_model=model, max_num_seqs=128,
                                host_prior=0.5)
     before, after = [], []
+    calibration = scheduler.estimates.host_calibration
     measured_iterations = []
 
-    def on_plan(plan):  # what the engine does after executing the plan
+    def on_plan(plan):
         host_bound = [r for b in plan.sub_batches for r in b.prefills if r.location is HOST]
         (after if len(measured_iterations) > 1 else before).extend(host_bound)
-        scheduler.observe(plan, measured_over_profiled * (plan.profiled_host_time or 0.0), plan.predicted_time)
-        if scheduler.host_calibration.num_samples:
-            measured_iterations.append(plan)
 
-    drive(scheduler, requests, on_plan, arrivals_per_step=2)
+    def measure(plan):  # what the engine measures executing the plan
+        if calibration.num_samples:
+            measured_iterations.append(plan)
+        return plan.predicted_time, measured_over_profiled * (plan.profiled_host_time or 0.0)
+
+    drive(scheduler, requests, on_plan, arrivals_per_step=2, measure=measure)
     assert before, "the optimistic prior should try host decodes"
-    assert scheduler.host_calibration.num_samples > 0
-    assert scheduler.host_calibration.scale == pytest.approx(measured_over_profiled)
+    assert calibration.num_samples > 0
+    assert calibration.scale == pytest.approx(measured_over_profiled)
     assert bool(after) == admits_after_measuring
 
 
@@ -246,16 +222,12 @@ def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
     model = synthetic_model(1e-4, 1e-7, 1e-6)
     model.table.graph_decode_requests, model.table.graph_decode_seconds = [1, 64], [2e-4, 2e-4]
     model.table.graph_decode_context = 16
-    config = EngineConfig(policy="neo", block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
-                          use_cuda_graphs=case != "no-graphs", cuda_graph_max_context=32 if case == "too-long" else 8192)
-    scheduler = OffloadScheduler(config, BlockManager(64, 64, 16), model, num_layers=4)
+    scheduler = make_scheduler("neo", 64, 64, model, host_prior=0.67, graphs=case != "no-graphs",
+                               cuda_graph_max_context=32 if case == "too-long" else 8192)
     first = requests_of(2, prompt_len=40, max_tokens=10)
     for request in first:
         scheduler.add(request)
-    scheduler.schedule()  # prefills
-    for request in first:
-        request.num_cached_tokens = request.num_tokens
-        request.append_token(5)
+    execute(scheduler, scheduler.schedule())  # prefills
     if case == "prefill":
         scheduler.add(Request("late", [1] * 20, SamplingParams(max_tokens=2)))
     if case == "swap":  # the newest request goes to the host pool and comes back this iteration
@@ -277,10 +249,8 @@ def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhe
     their estimate takes the graph's pipeline overhead, any other the eager one."""
     model = synthetic_model(1e-4, 1e-7, 1e-6)
     model.table.pipeline_overhead, model.table.pipeline_graph_overhead = 0.05, -0.002
-    config = EngineConfig(policy="neo", block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
-                          use_cuda_graphs=case != "no-graphs")
-    manager = BlockManager(64, 64, 16)
-    scheduler = OffloadScheduler(config, manager, model, num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
+    scheduler = make_scheduler("neo", 64, 64, model, graphs=case != "no-graphs")
+    manager = scheduler.block_manager
     gpu, host0, host1 = requests_of(3, prompt_len=40, max_tokens=10)
     for request, location in ((gpu, GPU), (host0, HOST), (host1, HOST)):
         manager.allocate(request, location)
@@ -292,13 +262,14 @@ def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhe
         batch0.prefills.append(late)
     plan = SchedulerOutput(sub_batches=[batch0, SubBatch(host_decodes=[host1])],
                            swap_in=[(0, 1)] if case == "swap" else [])
-    seconds, host_seconds = scheduler._estimate(plan)
+    seconds, host_seconds = scheduler.estimates.plan_time(plan)
     overhead = -0.002 if case == "graph" else 0.05
-    work0 = scheduler._gpu_work(batch0)
+    work0 = scheduler.estimates.gpu_work(batch0)
     host = model.host_attention(1, 40)
     assert host_seconds == pytest.approx(2 * host)
-    assert seconds == pytest.approx(model.two_batch_time(model.linear(work0.linear_tokens + 1), work0.attention_seconds,
-                                                         model.linear(1), host, host, pipeline_overhead=overhead))
+    times = [StageTimes(model.linear(work0.linear_tokens + 1), work0.attention_seconds, host),
+             StageTimes(model.linear(1), 0.0, host)]
+    assert seconds == pytest.approx(model.iteration_time(ASYMMETRIC, times, launch_overhead=overhead))
 
 
 def test_full_offload_decodes_every_host_request_every_iteration():

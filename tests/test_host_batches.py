@@ -1,4 +1,4 @@
-"""The scheduler of the async host pipeline (``AsyncOffloadScheduler``), without a model.
+"""The scheduler of the async host pipeline (placement ``HostBatches``), without a model.
 
 A stand-in engine loop launches each plan's host batch and completes it a given number of
 iterations later; requests in flight must stay out of every plan, an abort of one frees its
@@ -11,36 +11,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neo.sched.async_offload_scheduler import AsyncOffloadScheduler
-from neo.sched.block_manager import BlockManager
-from neo.config import EngineConfig
-from neo.sched.perf_model import HostBatchInterference, HostTimeCalibration, PerfModel
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.sched.calibration import HostBatchInterference
+from neo.sched.perf_model import PerfModel
+from neo.sched.scheduler import Scheduler
 from neo.sched.scheduler_output import SchedulerOutput
 
+from scheduler_harness import execute, requests_of, synthetic_model
+from scheduler_harness import make_scheduler as make_any_scheduler
 from test_block_manager import check_pools
-from test_offload_scheduler import random_requests, requests_of, synthetic_model
+from test_two_sub_batches import random_requests
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
 
 
-def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel,
-                   max_num_seqs: int = 64, block_size: int = 16) -> AsyncOffloadScheduler:
-    config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=2048, host_pipeline="async")
-    return AsyncOffloadScheduler(config, BlockManager(gpu_blocks, host_blocks, block_size), perf_model,
-                                 num_layers=4, host_calibration=HostTimeCalibration(prior=1.0))
+def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel, **options) -> Scheduler:
+    return make_any_scheduler(policy, gpu_blocks, host_blocks, perf_model, host_pipeline="async", **options)
 
 
-def decode(scheduler, request: Request) -> None:
-    request.num_cached_tokens = request.num_tokens
-    request.append_token(5)
-    if request.num_output_tokens >= request.sampling_params.max_tokens:
-        scheduler.finish(request, "length")
-
-
-def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_iterations=lambda: 3,
+def drive(scheduler: Scheduler, requests: list[Request], batch_iterations=lambda: 3,
           on_plan=None, abort=None, max_steps: int = 20_000) -> None:
     """The engine loop's stand-in: each iteration decodes its sub-batch; a launched host batch
     completes ``batch_iterations()`` iterations later (``abort(request)`` may abort any
@@ -49,7 +39,7 @@ def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_itera
         scheduler.add(request)
     in_flight, remaining = [], 0
     for _ in range(max_steps):
-        if not scheduler.num_unfinished and not in_flight:
+        if not scheduler.has_unfinished:
             return
         if abort is not None:
             for request in [r for r in requests if not r.is_finished and abort(r)]:
@@ -67,15 +57,12 @@ def drive(scheduler: AsyncOffloadScheduler, requests: list[Request], batch_itera
         assert not flying & {id(r) for r in plan.finished}
         if on_plan is not None:
             on_plan(plan, in_flight)
-        for request in plan.requests:
-            decode(scheduler, request)
+        completed = None
         if in_flight:
             remaining -= 1
             if remaining <= 0 or not plan.requests:
-                for request in scheduler.host_batch_done(host_seconds=0.001):
-                    decode(scheduler, request)
-                in_flight = []
-        scheduler.remove_finished()
+                completed, in_flight = in_flight, []
+        execute(scheduler, plan, host_batch=completed)
         holders = [r for r in requests if not r.is_finished] + [r for r in in_flight if r.is_finished]
         check_pools(scheduler.block_manager, holders)  # aborted requests in flight still hold blocks
     raise AssertionError("requests did not finish")
@@ -125,12 +112,10 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
         plan = scheduler.schedule()
         assert len(plan.sub_batches[0].gpu_decodes) == 10
         launches.append(plan.host_batch is not None)
-        for request in plan.requests:
-            decode(scheduler, request)
         if plan.host_batch is not None:
             assert len(plan.host_batch.host_decodes) == host_requests
-            for request in scheduler.host_batch_done(host_seconds=None):
-                decode(scheduler, request)
+        execute(scheduler, plan, host_batch=plan.host_batch.host_decodes if plan.host_batch else None,
+                host_batch_seconds=None)
     expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
     assert launches == expected
 
@@ -152,7 +137,7 @@ def test_interference_is_the_slowdown_beside_host_batches_over_the_estimate_alon
     assert interference.factor == 1.0
 
 
-def slow_host_batch_scheduler(host_requests: int) -> AsyncOffloadScheduler:
+def slow_host_batch_scheduler(host_requests: int) -> Scheduler:
     """GPU: 10 decodes, 10 ms an iteration (1000 tokens/s); a host batch's stages take 10 ms
     and its host attention 1 ms per request."""
     model = synthetic_model(0.0, 0.0, 1e-6)
@@ -165,16 +150,13 @@ def slow_host_batch_scheduler(host_requests: int) -> AsyncOffloadScheduler:
     return scheduler
 
 
-def run_iteration(scheduler: AsyncOffloadScheduler, slowdown: float) -> SchedulerOutput:
+def run_iteration(scheduler: Scheduler, slowdown: float) -> SchedulerOutput:
     """Plan, "execute" (the GPU iteration, 10 ms alone, takes ``slowdown`` times as long
     beside a host batch), and complete the host batch at once."""
     plan = scheduler.schedule()
-    scheduler.observe(plan, 0.0, 0.01 * (slowdown if scheduler.in_flight else 1.0))
-    for request in plan.requests:
-        decode(scheduler, request)
-    if plan.host_batch is not None:
-        for request in scheduler.host_batch_done(host_seconds=None):
-            decode(scheduler, request)
+    beside = scheduler.placement.host_batch_in_flight
+    execute(scheduler, plan, seconds=0.01 * (slowdown if beside else 1.0),
+            host_batch=plan.host_batch.host_decodes if plan.host_batch else None, host_batch_seconds=None)
     return plan
 
 
@@ -187,15 +169,16 @@ def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_sl
     scheduler = slow_host_batch_scheduler(40)
     launches = [run_iteration(scheduler, slowdown=2.0).host_batch is not None
                 for _ in range(HostBatchInterference().min_samples + 2)]
-    assert all(launches) and scheduler.interference.factor == pytest.approx(2.0)
+    assert all(launches) and scheduler.placement.interference.factor == pytest.approx(2.0)
     plan = scheduler.schedule()
-    assert plan.host_batch is not None and scheduler.in_flight
+    assert plan.host_batch is not None and scheduler.placement.host_batch_in_flight
     assert plan.predicted_time == pytest.approx(2.0 * 0.01)  # beside a batch: the measured slowdown
-    scheduler.host_batch_done(host_seconds=None)
+    scheduler.fail_host_batch()
 
     scheduler = slow_host_batch_scheduler(40)
-    for _ in range(scheduler.interference.min_samples):
-        scheduler.interference.observe(0.01, 0.1, beside_host_batch=True)
+    interference = scheduler.placement.interference
+    for _ in range(interference.min_samples):
+        interference.observe(0.01, 0.1, beside_host_batch=True)
     launches = [run_iteration(scheduler, slowdown=10.0).host_batch is not None
                 for _ in range(scheduler.max_host_wait + 1)]
     assert launches == [False] * scheduler.max_host_wait + [True]
@@ -216,9 +199,7 @@ def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
     requests = requests_of(3, prompt_len=20, max_tokens=10)
     for request in requests:
         scheduler.add(request)
-    prefill = scheduler.schedule()
-    for request in prefill.requests:
-        decode(scheduler, request)
+    execute(scheduler, scheduler.schedule())  # prefills
     plan = scheduler.schedule()
     assert plan.host_batch is not None and len(plan.host_batch.host_decodes) == 3
     victim = requests[1]
@@ -226,7 +207,7 @@ def test_an_abort_in_flight_frees_the_blocks_when_the_batch_is_done():
     scheduler.abort(victim, "abort")
     assert victim.is_finished and victim.block_table == blocks  # still held by the batch
     assert scheduler.block_manager.num_free(HOST) == 100 - sum(len(r.block_table) for r in requests)
-    done = scheduler.host_batch_done(host_seconds=0.01)
+    done = execute(scheduler, SchedulerOutput(), host_batch=plan.host_batch.host_decodes, host_batch_seconds=0.01)
     assert done == [requests[0], requests[2]]
     assert victim.block_table == [] and victim not in scheduler.running
     check_pools(scheduler.block_manager, [requests[0], requests[2]])
@@ -238,13 +219,12 @@ def test_the_measured_host_time_of_each_batch_calibrates_the_host_estimates():
     requests = requests_of(4, prompt_len=20, max_tokens=10)
     for request in requests:
         scheduler.add(request)
-    for request in scheduler.schedule().requests:
-        decode(scheduler, request)
+    execute(scheduler, scheduler.schedule())  # prefills
     plan = scheduler.schedule()
     profiled = plan.host_batch_profiled_host_time
     assert profiled > 0 and plan.host_batch_predicted_time > plan.host_batch_predicted_host_time
-    scheduler.host_batch_done(host_seconds=3 * profiled)
-    assert scheduler.host_calibration.scale == pytest.approx(3.0)
+    execute(scheduler, SchedulerOutput(), host_batch=plan.host_batch.host_decodes, host_batch_seconds=3 * profiled)
+    assert scheduler.estimates.host_calibration.scale == pytest.approx(3.0)
 
 
 @settings(max_examples=60, deadline=None)

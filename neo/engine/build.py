@@ -1,0 +1,138 @@
+"""The composition root: builds every part of an engine for its policy and host pipeline, and
+wires them (model, tokenizer, KV pools, block manager, host side, runner with its graphs, perf
+model, placement, scheduler). Nothing else constructs these parts for serving."""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from neo.config import EngineConfig
+from neo.kv.budget import gpu_kv_cache_bytes
+from neo.kv.kv_cache import GIB, CacheLayout, KVCache
+from neo.models.config import parse_dtype
+from neo.models.loader import load_model, resolve_model_config
+from neo.ops import select_implementation
+from neo.runner.decode_graphs import DecodeGraphs
+from neo.runner.executor import PipelineExecutor
+from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
+from neo.runner.host_attention import HostKernels
+from neo.runner.host_batches import HostBatchRunner
+from neo.runner.host_worker import HostAttentionWorker, default_cpu_attention_threads
+from neo.runner.model_runner import ModelRunner
+from neo.runner.pipeline_graphs import PipelineGraphs
+from neo.runner.profiler import Profiler, ProfileLimits, load_perf_model
+from neo.sched.block_manager import BlockManager
+from neo.sched.calibration import HostTimeCalibration
+from neo.sched.estimates import Estimates
+from neo.sched.perf_model import PerfModel
+from neo.sched.placement import make_placement
+from neo.sched.scheduler import Scheduler
+from neo.sched.stage_order import SEQUENTIAL, two_sub_batch_order
+from neo.tokenizer import load_tokenizer
+
+from .stop import StopRule
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+    max_model_len: int
+    layout: CacheLayout
+    kv_cache: KVCache
+    block_manager: BlockManager
+    worker: HostAttentionWorker | None
+    runner: ModelRunner
+    profiler: Profiler | None  # measures stage times through the runner (offloading policies)
+    scheduler: Scheduler
+    asynchronous: bool  # the async host pipeline: host batches beside the GPU's iterations
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return checkpoint_dtype if device.type == "cuda" else torch.float32
+    return parse_dtype(name)
+
+
+def host_kernels(name: str) -> HostKernels:
+    """The CPU kernels of the host side: ``name``'s decode attention (``EngineConfig.cpu_attention_kernel``;
+    a ``ValueError`` lists the available ones) and the KV store of the same name where it has
+    one, else the one ``torch.ops.neo`` runs."""
+    attention = select_implementation("paged_decode_attention", "cpu", name)
+    try:
+        store = select_implementation("store_kv_cache", "cpu", attention.name)
+    except ValueError:
+        store = select_implementation("store_kv_cache", "cpu")
+    return HostKernels(store=store, attention=attention)
+
+
+def build(config: EngineConfig) -> EngineParts:
+    device = config.compute_device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    offloading = config.policy != "gpu-only"
+    stage_order = two_sub_batch_order(config.stage_order)
+    placement = make_placement(config.policy, config.host_pipeline, config.placement)
+    kernels = host_kernels(config.cpu_attention_kernel)
+    model_config = resolve_model_config(config.model)
+    dtype = resolve_dtype(config.dtype, model_config.dtype, device)
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed,
+                       max_positions=max_model_len)
+    tokenizer = load_tokenizer(config.model)
+    eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids
+                              else model.config.eos_token_ids)
+
+    layout = CacheLayout.for_budgets(model.config, dtype, config.block_size,
+                                     gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
+                                     host_bytes=int(config.cpu_kv_cache_gib * GIB))
+    if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
+        raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
+                         f"raise gpu_kv_cache_gib or gpu_memory_utilization")
+    kv_cache = KVCache(layout, device)
+    block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
+
+    worker = HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads()) if offloading else None
+    max_blocks_per_sequence = -(-max_model_len // config.block_size)
+    pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else device.type == "cuda"
+    executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
+                                max_host_decodes=config.max_num_seqs, max_blocks_per_sequence=max_blocks_per_sequence,
+                                measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
+    asynchronous = offloading and config.host_pipeline == "async"
+    graph_context = None
+    if device.type == "cuda" and config.use_cuda_graphs:
+        graph_context = min(max_model_len, config.cuda_graph_max_context)
+    decode_graphs = pipeline_graphs = host_batches = None
+    if graph_context is not None:
+        decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)
+        if executor.stream_ordered_host_work and not asynchronous:
+            pipeline_graphs = PipelineGraphs(model, executor, config.max_num_seqs, graph_context, config.block_size,
+                                             device)
+    if asynchronous:
+        host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
+                                       max_blocks_per_sequence, graph_context, pad_rows)
+    if pad_rows and device.type == "cuda":
+        warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
+    runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
+                         pipeline_graphs, host_batches)
+
+    perf_model, profiler = PerfModel.zero(), None
+    if offloading:  # the profiler, when it runs, measures through the runner built above
+        profiler = Profiler(runner, block_manager,
+                            ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
+                            worker.num_threads, kernels.attention.name, stage_order)
+        perf_model = load_perf_model(config.perf_model, profiler)
+    estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order)
+    scheduler = Scheduler(config, block_manager, placement, estimates,
+                          finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))
+    logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool %d blocks "
+                "(%.2f GiB)", model.config.name or config.model, device, dtype, config.policy,
+                layout.num_gpu_blocks, layout.num_gpu_blocks * layout.block_bytes / GIB, layout.num_host_blocks,
+                layout.num_host_blocks * layout.block_bytes / GIB)
+    return EngineParts(model, tokenizer, dtype, max_model_len, layout, kv_cache, block_manager, worker, runner,
+                       profiler, scheduler, asynchronous)

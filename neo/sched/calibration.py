@@ -1,0 +1,81 @@
+"""Corrections the scheduler learns from what the engine measures while it serves.
+
+- ``HostTimeCalibration``: a factor on the profiled host-attention time.
+- ``HostBatchInterference``: how much slower the GPU's iterations run beside a host batch.
+
+How far the measured times stray from the profile on the H100 machine is in RESULTS.md.
+"""
+
+import statistics
+from collections import deque
+
+
+class HostTimeCalibration:
+    """A factor on the profiled host-attention time, learned from the engine's iterations.
+
+    The profile times host attention in isolated iterations; in the engine's pipelined ones the
+    same work often runs faster (the CPU's threads stay busy from layer to layer there), and the
+    ratio moves with the load. The factor is the measured over the profiled host time of the
+    last ``window`` iterations with host decodes (sums, so long iterations weigh more), within
+    ``bounds``.
+
+    Before the first measurement it is ``prior`` (below 1: optimistic), so that a scheduler that
+    would never offload on the profile alone tries host decodes where they would pay at that
+    speed, measures them, and then follows the measurement. A lower prior explores more, and
+    too low a prior admits requests to the host pool that then go back to the GPU undecoded.
+    """
+
+    def __init__(self, prior: float = 0.67, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
+        if not bounds[0] <= prior <= bounds[1]:
+            raise ValueError(f"prior {prior} is outside the bounds {bounds}")
+        self.bounds = bounds
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profiled, measured)
+        # Read for every host estimate the scheduler makes: kept up to date in ``observe``.
+        self.scale = prior
+
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        """The (profiled, measured) seconds of the iterations in the window, oldest first."""
+        return list(self._samples)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, profiled_seconds: float, measured_seconds: float) -> None:
+        """One iteration's host attention: the profile's uncorrected estimate and the measured
+        time (ignored unless both are positive)."""
+        if profiled_seconds > 0 and measured_seconds > 0:
+            self._samples.append((profiled_seconds, measured_seconds))
+            profiled = sum(sample[0] for sample in self._samples)
+            measured = sum(sample[1] for sample in self._samples)
+            self.scale = min(max(measured / profiled, self.bounds[0]), self.bounds[1])
+
+
+class HostBatchInterference:
+    """How much slower the GPU's iterations run while a host batch is in flight, measured.
+
+    A host batch (async host pipeline) costs the GPU's iterations more than its own stages'
+    GPU time: its kernels share the SMs, and its host attention's threads share the host with
+    the thread that launches the iterations. Each decode iteration gives the ratio of its
+    measured to its estimated time alone; ``factor`` is the median ratio of the last ``window``
+    iterations beside a batch over that of those alone (1 while fewer than ``min_samples`` ran
+    alone: the estimate itself), at least 1. None until ``min_samples`` iterations ran beside a
+    batch.
+    """
+
+    def __init__(self, window: int = 64, min_samples: int = 8):
+        self.min_samples = min_samples
+        self._beside: deque[float] = deque(maxlen=window)
+        self._alone: deque[float] = deque(maxlen=window)
+        self.factor: float | None = None
+
+    def observe(self, estimated_alone: float, measured: float, beside_host_batch: bool) -> None:
+        """One decode iteration's estimate alone and measured seconds (ignored unless both
+        are positive)."""
+        if estimated_alone <= 0 or measured <= 0:
+            return
+        (self._beside if beside_host_batch else self._alone).append(measured / estimated_alone)
+        if len(self._beside) >= self.min_samples:
+            alone = statistics.median(self._alone) if len(self._alone) >= self.min_samples else 1.0
+            self.factor = max(1.0, statistics.median(self._beside) / alone)

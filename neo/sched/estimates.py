@@ -1,0 +1,135 @@
+"""``Estimates``: the seconds of the sub-batches and iterations a scheduler weighs, from the
+``PerfModel``'s stage times, the host-time correction measured while serving, the runner's
+``GraphCoverage`` and the cost function of the plan's ``StageOrder``. Whole-model seconds."""
+
+import math
+from dataclasses import dataclass
+
+from neo.request import KVLocation, Request
+
+from .block_manager import BlockManager
+from .calibration import HostTimeCalibration
+from .cost import StageTimes
+from .graph_coverage import GraphCoverage, widest_gpu_table
+from .perf_model import PerfModel
+from .scheduler_output import SchedulerOutput, SubBatch
+from .stage_order import SEQUENTIAL, StageOrder
+
+@dataclass
+class GpuWork:
+    """A sub-batch's GPU work apart from its host decodes: tokens through the linear stages and
+    the seconds of its GPU (decode and prefill) attention."""
+
+    linear_tokens: int
+    attention_seconds: float
+
+
+NO_GPU_WORK = GpuWork(0, 0.0)  # a sub-batch of host decodes alone
+
+
+@dataclass
+class SteadyGpuBatch:
+    """The GPU sub-batch of a steady decode iteration (``Estimates.steady_gpu_batch``): beside
+    host decodes it runs its stages eagerly or in a pipeline graph; alone it replays a decode
+    graph where the engine has one."""
+
+    count: int  # GPU decodes
+    stage_times: StageTimes  # beside host decodes (no host attention of its own)
+    alone_time: float
+    pipeline_graphed: bool  # beside host decodes, a pipeline graph covers it
+
+
+class Estimates:
+    """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs."""
+
+    def __init__(self, perf_model: PerfModel, host_calibration: HostTimeCalibration, coverage: GraphCoverage,
+                 block_manager: BlockManager, two_sub_batch_order: StageOrder):
+        self.perf_model = perf_model
+        self.host_calibration = host_calibration
+        self.coverage = coverage
+        self.block_manager = block_manager
+        self.two_sub_batch_order = two_sub_batch_order
+
+    def host_attention(self, num_requests: int, context_tokens: int) -> float:
+        """Host attention seconds of that many decodes: the profile's, corrected."""
+        return self.perf_model.host_attention(num_requests, context_tokens) * self.host_calibration.scale
+
+    def host_time(self, batch: SubBatch) -> float:
+        return self.host_attention(len(batch.host_decodes), sum(r.num_tokens for r in batch.host_decodes))
+
+    def gpu_work(self, batch: SubBatch) -> GpuWork:
+        """The part of a sub-batch's GPU work that does not depend on its host decodes."""
+        model = self.perf_model
+        return GpuWork(batch.num_prefill_tokens + len(batch.gpu_decodes),
+                       model.gpu_attention(sum(r.num_tokens for r in batch.gpu_decodes))
+                       + model.prefill_attention([r.num_tokens for r in batch.prefills]))
+
+    def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None,
+                        swaps: bool = False) -> float:
+        """One sub-batch in the sequential order. ``work`` and ``host`` (its host attention
+        seconds) when the caller has them already; ``swaps``: the plan also moves blocks
+        between the pools (no CUDA graph then)."""
+        graph = None if swaps else self.graph_time(batch)
+        if graph is not None:
+            return graph
+        work = self.gpu_work(batch) if work is None else work
+        host = self.host_time(batch) if host is None else host
+        times = StageTimes(self.perf_model.linear(work.linear_tokens + len(batch.host_decodes)),
+                           work.attention_seconds, host)
+        return self.perf_model.iteration_time(SEQUENTIAL, [times])
+
+    def graph_time(self, batch: SubBatch) -> float | None:
+        """Seconds of a sub-batch of GPU decodes alone that the runner replays from a decode
+        graph; None for any other sub-batch."""
+        if not self.coverage.replays_decode_graph([batch], swaps=False):
+            return None
+        return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
+
+    def replays_pipeline_graph(self, batch0: SubBatch, swaps: bool) -> bool:
+        """Whether a two-sub-batch plan with this batch 0 is one the runner replays from a
+        pipeline graph (decode-only, no swaps)."""
+        return (not swaps and not batch0.prefills
+                and self.coverage.pipeline_graph(len(batch0.gpu_decodes), widest_gpu_table(batch0)))
+
+    def sub_batch_times(self, work: GpuWork, host_decodes: int, host_seconds: float) -> StageTimes:
+        """A sub-batch's stage times: ``work`` with that many host decodes taking ``host_seconds``."""
+        return StageTimes(self.perf_model.linear(work.linear_tokens + host_decodes), work.attention_seconds,
+                          host_seconds)
+
+    def two_sub_batch_time(self, times: list[StageTimes], graphed: bool) -> float:
+        """A two-sub-batch iteration of the lockstep pipeline's order (``graphed``: replayed from
+        a pipeline graph)."""
+        return self.perf_model.iteration_time(self.two_sub_batch_order, times, graphed=graphed)
+
+    def plan_time(self, plan: SchedulerOutput) -> tuple[float, float]:
+        """(estimated seconds of a plan's sub-batches, of which host attention)."""
+        host = [self.host_time(batch) for batch in plan.sub_batches]
+        swaps = plan.has_swaps
+        if len(plan.sub_batches) == 2:
+            batch0, batch1 = plan.sub_batches
+            times = [self.sub_batch_times(self.gpu_work(batch0), len(batch0.host_decodes), host[0]),
+                     self.sub_batch_times(NO_GPU_WORK, len(batch1.host_decodes), host[1])]
+            seconds = self.two_sub_batch_time(times, self.replays_pipeline_graph(batch0, swaps))
+        else:
+            seconds = self.sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
+        return seconds, sum(host)
+
+    def steady_gpu_batch(self, gpu_requests: list[Request], host_requests: list[Request],
+                         waiting_head: Request | None) -> SteadyGpuBatch:
+        """The GPU sub-batch of a steady decode iteration: the GPU pool full of requests of the
+        running requests' mean length (or the waiting head's), no prefills (an admitted request
+        decodes for many iterations, most of them without prefills)."""
+        model = self.perf_model
+        manager = self.block_manager
+        running = gpu_requests + host_requests
+        lengths = [r.num_tokens for r in running] or ([waiting_head.num_tokens] if waiting_head else [1])
+        mean_length = sum(lengths) / len(lengths)
+        pool_tokens = manager.num_total(KVLocation.GPU) * manager.block_size
+        count = max(len(gpu_requests), int(pool_tokens // mean_length))
+        context = max(sum(r.num_tokens for r in gpu_requests), int(count * mean_length))
+        times = StageTimes(model.linear(count), model.gpu_attention(context), 0.0) if count else StageTimes(0.0, 0.0, 0.0)
+        widest = math.ceil(mean_length / manager.block_size)
+        # Alone, that batch replays a decode graph where the engine has one for it.
+        graph_time = model.graph_decode(count, context) if self.coverage.decode_graph(count, widest) else None
+        alone_time = times.linear + times.gpu_attention + model.iteration_overhead if graph_time is None else graph_time
+        return SteadyGpuBatch(count, times, alone_time, self.coverage.pipeline_graph(count, widest))

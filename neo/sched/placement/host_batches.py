@@ -1,0 +1,189 @@
+"""``HostBatches``: host decodes as host batches of the async host pipeline.
+
+Each iteration is one sub-batch for the GPU (prefills and GPU decodes), and the host decodes
+run as a host batch of their own beside the GPU's iterations (``neo.runner.host_batches``), one
+batch in flight at a time, in the ``host-batch`` stage order on a stream of its own. When none
+is in flight, every host request that got its slot joins the next one; requests in flight are
+left out of planning until their batch completes (``host_batch_done``), and an abort of one of
+them frees its blocks only then. A request evicted to the host pool joins a batch launched
+after the iteration that copies its blocks out.
+
+Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
+the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once,
+``linear(n)`` seconds for ``n`` host decodes, and beside it the iterations may run slower still
+(its kernels share the SMs, its host threads share the host with the launching thread). That
+slowdown is measured (``HostBatchInterference``: iterations beside a batch against their
+estimate alone): a batch that lasts ``T`` seconds with the iterations ``s`` times slower costs
+them ``(1 - 1/s) * T`` seconds, and at least ``linear(n)`` (the only cost before anything is
+measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) makes
+``gpu_rate * cost`` tokens, so a host batch of ``n`` decodes gains ``n - gpu_rate * cost``
+tokens: it pays when that is positive. New requests go to the host pool while a larger host
+population would gain more. A batch is launched when it pays, when the GPU has nothing else to
+do (``full-offload``, or no GPU work this iteration), or when its oldest request has waited
+``max_host_wait`` iterations: host requests always progress.
+
+A host batch is estimated by the cost function of its order (``linear(n)`` + host attention +
+the profiled ``host_batch_overhead``), host attention corrected online by the host time each
+completed batch measured. An iteration that runs while a batch is in flight is estimated as
+its time alone times the measured slowdown (before it is measured, grown by the batch's GPU
+stages' share of the batch's time).
+"""
+
+from dataclasses import dataclass, field
+
+from neo.request import Request
+
+from ..calibration import HostBatchInterference
+from ..runner_output import IterationOutput
+from ..scheduler_output import SchedulerOutput, SubBatch
+from ..stage_order import HOST_BATCH, SEQUENTIAL
+from .base import Placement
+
+EPSILON = 1e-9  # seconds: keeps rates finite under a zero perf model
+
+
+@dataclass
+class InFlightHostBatch:
+    """The host batch launched and not yet done: the one record of it on the scheduling side."""
+
+    requests: list[Request]
+    predicted_time: float  # its estimated seconds until its tokens
+    predicted_host_time: float  # of which host attention
+    profiled_host_time: float  # the same from the profile alone (uncalibrated)
+    aborted: list[Request] = field(default_factory=list)  # their blocks are freed once it is done
+
+    def __post_init__(self):
+        self.ids = {id(request) for request in self.requests}
+
+
+class HostBatches(Placement):
+    def __init__(self, full_offload: bool = False):
+        super().__init__(full_offload)
+        self.in_flight: InFlightHostBatch | None = None
+        self.interference = HostBatchInterference()
+        # The last plan's decode iteration: (its estimate alone, beside a host batch), for ``observe``.
+        self._planned_decode_iteration: tuple[float, bool] | None = None
+
+    # -- requests in flight --------------------------------------------------------------------
+
+    @property
+    def host_batch_in_flight(self) -> bool:
+        return self.in_flight is not None
+
+    @property
+    def in_flight_requests(self) -> list[Request]:
+        return self.in_flight.requests if self.in_flight is not None else []
+
+    def plannable(self, running: list[Request]) -> list[Request]:
+        if self.in_flight is None:
+            return running
+        return [r for r in running if id(r) not in self.in_flight.ids]
+
+    def defer_abort(self, request: Request) -> bool:
+        if self.in_flight is None or id(request) not in self.in_flight.ids:
+            return False
+        self.in_flight.aborted.append(request)  # the host batch still reads and writes its blocks
+        return True
+
+    def host_batch_done(self, scheduler, host_seconds: float | None) -> list[Request]:
+        flight, self.in_flight = self.in_flight, None
+        for request in flight.aborted:
+            scheduler.block_manager.free(request)
+        if host_seconds is not None:
+            scheduler.estimates.host_calibration.observe(flight.profiled_host_time, host_seconds)
+        return [r for r in flight.requests if not r.is_finished]
+
+    def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
+        super().observe(scheduler, plan, output)
+        if self._planned_decode_iteration is not None:
+            estimated_alone, beside = self._planned_decode_iteration
+            self.interference.observe(estimated_alone, output.seconds, beside)
+
+    def measured_corrections(self, scheduler) -> tuple:
+        return scheduler.estimates.host_calibration.scale, self.interference.factor
+
+    # -- host decodes --------------------------------------------------------------------------
+
+    def place(self, scheduler, batch0: SubBatch, host_requests: list[Request], plan: SchedulerOutput) -> None:
+        estimates = scheduler.estimates
+        if batch0:
+            plan.sub_batches = [batch0]
+            plan.stage_order = SEQUENTIAL
+        plan.predicted_host_time = plan.profiled_host_time = 0.0
+        self._launch_host_batch(scheduler, batch0, host_requests, plan)
+        swaps = plan.has_swaps
+        alone = estimates.sequential_time(batch0, swaps=swaps) if batch0 else 0.0
+        slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
+        if self.in_flight is not None:
+            slowdown = self.interference.factor or 1 + (estimates.perf_model.linear(len(self.in_flight.requests))
+                                                         / (self.in_flight.predicted_time + EPSILON))
+        plan.predicted_time = alone * slowdown
+        decode_only = bool(batch0) and not batch0.prefills and not swaps
+        self._planned_decode_iteration = (alone, self.in_flight is not None) if decode_only else None
+
+    def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],
+                           plan: SchedulerOutput) -> None:
+        """Put the plannable host requests into ``plan.host_batch`` when no batch is in flight
+        and launching one is worth it (see the module docstring)."""
+        # Requests evicted to the host pool just now wait for the next batch: their blocks are
+        # copied out by this iteration's GPU work, which a batch launched now does not wait for.
+        arriving = {host_block for _, host_block in plan.swap_out}
+        host_requests = [r for r in host_requests if r.block_table[0] not in arriving]
+        if self.in_flight is not None or not host_requests:
+            scheduler.count_host_wait(bool(host_requests))
+            return
+        context = sum(r.num_tokens for r in host_requests)
+        if not (self.full_offload or self._gain(scheduler, batch0, len(host_requests), context) > 0
+                or not batch0 or scheduler.host_decode_due):
+            scheduler.count_host_wait(True)
+            return
+        estimates = scheduler.estimates
+        requests = scheduler.oldest_first(host_requests)[:scheduler.config.max_num_seqs]
+        host = estimates.host_attention(len(requests), sum(r.num_tokens for r in requests))
+        plan.host_batch = SubBatch(host_decodes=requests)
+        plan.host_batch_predicted_time = estimates.perf_model.host_batch_time(
+            HOST_BATCH, estimates.perf_model.linear(len(requests)), host)
+        plan.host_batch_predicted_host_time = host
+        plan.host_batch_profiled_host_time = host / estimates.host_calibration.scale
+        self.in_flight = InFlightHostBatch(list(requests), plan.host_batch_predicted_time, host,
+                                           plan.host_batch_profiled_host_time)
+        for request in requests:
+            request.last_scheduled_iteration = scheduler.iteration
+        scheduler.count_host_wait(False)
+
+    def _gain(self, scheduler, batch0: SubBatch, num_host_decodes: int, context_tokens: int) -> float:
+        """Tokens a host batch of that many decodes (and context tokens) gains over what it
+        costs this iteration's GPU work (``batch0``'s tokens per second)."""
+        tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
+        if not tokens:
+            return float(num_host_decodes)
+        rate = tokens / (scheduler.estimates.sequential_time(batch0) + EPSILON)
+        return num_host_decodes - rate * self._gpu_cost(scheduler.estimates, num_host_decodes, context_tokens)
+
+    def _gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
+        """Seconds of GPU-iteration time a host batch of that many decodes costs (see the
+        module docstring)."""
+        model = estimates.perf_model
+        linear = model.linear(num_host_decodes)
+        slowdown = self.interference.factor
+        if slowdown is None:
+            return linear
+        seconds = model.host_batch_time(HOST_BATCH, linear, estimates.host_attention(num_host_decodes, context_tokens))
+        return max(linear, (1 - 1 / slowdown) * seconds)
+
+    def economics(self, scheduler, gpu_requests: list[Request], host_requests: list[Request]) -> tuple[bool, bool]:
+        """(do host decodes pay, would more of them pay) for a steady decode iteration's GPU
+        rate: a host population of ``n`` gains ``n - gpu_rate * cost(n)`` tokens per host
+        batch; "more" adds requests like the oldest waiting one (``Scheduler.extra_requests``)."""
+        estimates = scheduler.estimates
+        steady = estimates.steady_gpu_batch(gpu_requests, host_requests, scheduler.waiting[0] if scheduler.waiting else None)
+        gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else 0.0
+        host_context = sum(r.num_tokens for r in host_requests)
+
+        def gain(requests: int, context: int) -> float:
+            return requests - gpu_rate * self._gpu_cost(estimates, requests, context) if requests else 0.0
+
+        current = gain(len(host_requests), host_context)
+        best_more = max((gain(len(host_requests) + extra, host_context + context)
+                         for extra, context in scheduler.extra_requests()), default=0.0)
+        return max(current, best_more) > 0, best_more > max(current, 0.0)

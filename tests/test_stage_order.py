@@ -1,0 +1,124 @@
+"""The executor walks the plan's ``StageOrder``: the stages that actually run (the model layers'
+stage methods and the host hand-off's starts, recorded as they are called) are exactly the
+order's steps, for every order the engine has, eagerly and through the engine's runner for the
+two-sub-batch order the setting selects."""
+
+import pytest
+import torch
+
+from engine_reference import PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
+from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.request import KVLocation
+from neo.runner.batch_inputs import build_batch_inputs
+from neo.sched.scheduler_output import SubBatch
+from neo.sched.stage_order import STAGE_ORDERS, Stage
+
+NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))), PROMPTS, NEW_TOKENS)
+
+
+class StageRecorder:
+    """Records the stages that actually run: the model layers' stage methods and the host
+    hand-off's starts, as ``str(Step)`` with the sub-batch told apart by its metadata."""
+
+    def __init__(self, model, executor):
+        self.calls: list[str] = []
+        self.sub_batch_of: dict[int, int] = {}  # id(metadata) -> sub-batch index
+        for index, layer in enumerate(model.layers):
+            for stage, method, meta_position in (("pre", "pre_attention", 2), ("attn_gpu", "attention", 3),
+                                                 ("post", "post_attention", 2)):
+                setattr(layer, method, self._wrap(getattr(layer, method), stage, index, meta_position))
+        start = executor.hand_off.start
+
+        def recorded_start(sub_batch, layer, rows, meta, k_cache, v_cache):
+            self.calls.append(f"attn_host({self.sub_batch_of[id(meta)]},{layer})")
+            return start(sub_batch, layer, rows, meta, k_cache, v_cache)
+
+        executor.hand_off.start = recorded_start
+
+    def _wrap(self, method, stage: str, layer: int, meta_position: int):
+        def recorded(*args, **kwargs):
+            self.calls.append(f"{stage}({self.sub_batch_of[id(args[meta_position])]},{layer})")
+            return method(*args, **kwargs)
+        return recorded
+
+    def expect(self, inputs) -> None:
+        """The sub-batches of the next run."""
+        self.sub_batch_of = {id(batch.metadata): index for index, batch in enumerate(inputs)}
+        self.calls = []
+
+
+def engine_with_host_and_gpu_requests(stage_order: str = "asymmetric") -> tuple[LLMEngine, list, list]:
+    """A neo engine (lockstep, CPU) with one GPU request and two host requests about to decode."""
+    engine = LLMEngine(EngineConfig(policy="neo", device="cpu", dtype="float32", gpu_kv_cache_gib=gib_for_blocks(16),
+                                    cpu_kv_cache_gib=gib_for_blocks(16), perf_model="zero",
+                                    host_pipeline="lockstep", stage_order=stage_order))
+    profiler = engine.profiler
+    gpu = profiler.allocate_requests(KVLocation.GPU, [9])
+    host = profiler.allocate_requests(KVLocation.HOST, [7, 12])
+    return engine, gpu, host
+
+
+@pytest.mark.parametrize("name", sorted(STAGE_ORDERS))
+def test_the_stages_the_executor_runs_are_the_orders_steps(name):
+    order = STAGE_ORDERS[name]
+    engine, gpu, host = engine_with_host_and_gpu_requests()
+    try:
+        runner = engine.runner
+        recorder = StageRecorder(engine.model, runner.executor)
+        batches = ([SubBatch(gpu_decodes=gpu, host_decodes=host[:1]), SubBatch(host_decodes=host[1:])]
+                   if order.num_sub_batches == 2 else [SubBatch(gpu_decodes=gpu, host_decodes=host)])
+        inputs = [build_batch_inputs(batch, runner.block_size, runner.device) for batch in batches]
+        recorder.expect(inputs)
+        logits = runner.executor.run(inputs, order, NO_SWAPS, NO_SWAPS)
+        assert logits.shape[0] == 3
+        assert recorder.calls == [str(step) for step in order.steps(engine.model_config.num_layers)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("stage_order", ["asymmetric", "asymmetric-early-host"])
+def test_the_engine_runs_two_sub_batch_iterations_in_the_selected_order(stage_order, expected):
+    llm = LLM("neo-tiny", device="cpu", dtype="float32", policy="neo", gpu_kv_cache_gib=gib_for_blocks(6),
+              cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero", host_pipeline="lockstep",
+              stage_order=stage_order)
+    try:
+        executor = llm.engine.runner.executor
+        recorder = StageRecorder(llm.engine.model, executor)
+        walked = []
+        run = executor.run
+
+        def recording_run(batches, order, swap_out, swap_in):
+            recorder.expect(batches)
+            logits = run(batches, order, swap_out, swap_in)
+            with_host = {index for index, inputs in enumerate(batches) if inputs.metadata.num_host_decodes}
+            walked.append((order, recorder.calls, with_host))
+            return logits
+
+        executor.run = recording_run
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        two = [entry for entry in walked if entry[0].num_sub_batches == 2]
+        assert two and llm.get_metrics()["two_batch_iterations"] == len(two)
+        layers = llm.engine.model_config.num_layers
+        for order, calls, with_host in two:
+            assert order.name == stage_order
+            # A sub-batch without host decodes hands nothing to the host.
+            assert calls == [str(step) for step in order.steps(layers)
+                             if step.stage is not Stage.ATTN_HOST or step.sub_batch in with_host]
+    finally:
+        llm.close()
+
+
+
+
+def test_an_unknown_stage_order_setting_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown two-sub-batch stage order 'zigzag'; choose one of asymmetric, "
+                                         "asymmetric-early-host"):
+        LLMEngine(EngineConfig(policy="neo", device="cpu", stage_order="zigzag", perf_model="zero"))
