@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .attention_metadata import AttentionMetadata
 from .checkpoint import CheckpointTarget, whole
 from .config import ModelConfig
+from .interface import DecoderLayerInterface, missing_members
 from .parameters import empty_parameter
 from .registry import model_family
 from .rotary import RotaryEmbedding
@@ -42,6 +43,10 @@ class CausalLM(torch.nn.Module):
         self.embed_tokens_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
         self.layers = torch.nn.ModuleList(
             layer_class(config, self.rotary, dtype, device) for _ in range(config.num_layers))
+        missing = missing_members(self.layers[0], DecoderLayerInterface)
+        if missing:
+            raise TypeError(f"{layer_class.__name__}, the layer of {config.architecture}, lacks "
+                            f"{', '.join(missing)} of the layer interface (models/interface.py)")
         self.final_norm_weight = empty_parameter((hidden,), dtype, device)
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens_weight

@@ -16,7 +16,7 @@ of the attention output with host attention over ``q`` (softmax scale ``layer.sc
     hidden, residual = layer.post_attention(attn_out, residual, meta)
 """
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence
 
 import torch
 
@@ -25,7 +25,6 @@ from .checkpoint import CheckpointTarget
 from .config import ModelConfig
 
 
-@runtime_checkable
 class DecoderLayerInterface(Protocol):
     """One decoder layer, split into the stages a pipeline interleaves."""
 
@@ -72,7 +71,6 @@ class DecoderLayerInterface(Protocol):
         ...
 
 
-@runtime_checkable
 class CausalLMInterface(Protocol):
     """A causal language model: embeddings, ``layers``, final norm, logits."""
 
@@ -118,3 +116,19 @@ class CausalLMInterface(Protocol):
         """Hugging Face tensor name -> its place in the model's parameters, for every tensor a
         checkpoint must hold."""
         ...
+
+
+def interface_members(protocol: type) -> list[str]:
+    """The attributes and methods ``protocol`` declares."""
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {name for name, value in vars(protocol).items()
+              if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    return sorted(names)
+
+
+def missing_members(component, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``component`` (a model or a layer) lacks. (Looked up the
+    way the engine reaches them: a ``torch.nn.Module``'s submodules and parameters are
+    attributes only through its ``__getattr__``, which ``isinstance`` on a Protocol does not
+    consult.)"""
+    return [name for name in interface_members(protocol) if not hasattr(component, name)]

@@ -37,8 +37,8 @@ def expected(tmp_path_factory):
 
 
 def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True, host_pipeline: str = "lockstep"):
-    """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs' shapes captured
-    (those of the host batches under the async host pipeline)."""
+    """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs captured, as
+    (stage order, shape) (those of the host batches under the async host pipeline)."""
     llm = LLM("neo-tiny", device=device, dtype="float32", policy=policy,
               gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
               perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline)
@@ -71,14 +71,14 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
     if SETTINGS[setting].get("host_pipeline") == "async":
         assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
         if cuda_graphs:  # host batches replayed pipeline graphs of one sub-batch
-            assert captured and all(len(shape) == 1 for shape in captured)
+            assert captured and all(order == "host-batch" and len(shape) == 1 for order, shape in captured)
         if setting == "neo-async":  # GPU decodes replayed decode graphs meanwhile
             assert (metrics["graph_iterations"] > 0) == cuda_graphs
     else:
         assert metrics["two_batch_iterations"] > 0
         assert (metrics["graph_iterations"] > 0) == cuda_graphs
         if cuda_graphs:  # decode-only iterations with host decodes replayed pipeline graphs
-            assert any(len(shape) == 2 for shape in captured)
+            assert any(order == "asymmetric" and len(shape) == 2 for order, shape in captured)
 
 
 def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps: int):

@@ -16,10 +16,11 @@ from model_reference import randomize, run_schedule, save_variant
 from neo import LLM, SamplingParams
 from neo.models.causal_lm import CausalLM, count_parameters
 from neo.models.config import ModelConfig
-from neo.models.interface import CausalLMInterface, DecoderLayerInterface
+from neo.models.interface import CausalLMInterface, DecoderLayerInterface, interface_members, missing_members
 from neo.models.llama import DecoderLayer
 from neo.models.loader import load_model
 from neo.models.qwen3 import Qwen3DecoderLayer
+from neo.models.registry import FAMILIES as FAMILIES_TABLE
 from neo.models.registry import config_from_hf, model_family, read_model_config, supported_architectures
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -62,8 +63,8 @@ def test_unknown_architecture_lists_the_supported_ones(make):
 def test_models_satisfy_the_interface(variant, layer_class, tmp_path):
     save_variant(variant, tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
-    assert isinstance(model, CausalLMInterface)
-    assert all(type(layer) is layer_class and isinstance(layer, DecoderLayerInterface)
+    assert not missing_members(model, CausalLMInterface)
+    assert all(type(layer) is layer_class and not missing_members(layer, DecoderLayerInterface)
                for layer in model.layers)
     config = model.config
     weight = model.logits_weight()
@@ -72,6 +73,29 @@ def test_models_satisfy_the_interface(variant, layer_class, tmp_path):
     assert (weight is model.embed_tokens_weight) == config.tie_word_embeddings
     assert model.layers[0].scale == config.head_dim ** -0.5
     assert count_parameters(config) == sum(parameter.numel() for parameter in model.parameters())
+
+
+def test_the_interface_lists_what_the_engine_calls():
+    assert {"config", "layers", "embed", "final_norm", "compute_logits", "logits_weight", "forward",
+            "max_positions", "parameters", "checkpoint_targets"} == set(interface_members(CausalLMInterface))
+    assert {"config", "scale", "pre_attention", "attention", "post_attention", "gemm_weights",
+            "checkpoint_targets"} == set(interface_members(DecoderLayerInterface))
+
+
+def test_a_layer_class_without_the_stages_is_refused(monkeypatch):
+    class StagelessLayer(torch.nn.Module):
+        def __init__(self, config, rotary, dtype, device):
+            super().__init__()
+            self.config, self.scale = config, config.head_dim ** -0.5
+
+    family = model_family("LlamaForCausalLM")
+    monkeypatch.setitem(FAMILIES_TABLE, "LlamaForCausalLM",
+                        type(family)(family.architecture, StagelessLayer, family.read_config))
+    config = config_from_hf(hf_config("LlamaForCausalLM"), name="stageless")
+    with pytest.raises(TypeError, match="StagelessLayer, the layer of LlamaForCausalLM, lacks attention, "
+                                        "checkpoint_targets, gemm_weights, post_attention, pre_attention of "
+                                        "the layer interface"):
+        CausalLM(config, dtype=torch.float32, device="meta")
 
 
 # Config facts by family ------------------------------------------------------------------------
