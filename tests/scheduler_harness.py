@@ -7,6 +7,7 @@ times the test chooses.
 """
 
 import math
+import random
 
 from neo.config import EngineConfig
 from neo.request import Request
@@ -69,3 +70,19 @@ def execute(scheduler: Scheduler, plan: SchedulerOutput, seconds: float = 0.01, 
 
 def requests_of(count: int, prompt_len: int, max_tokens: int) -> list[Request]:
     return [Request(str(i), [1] * prompt_len, SamplingParams(max_tokens=max_tokens)) for i in range(count)]
+
+
+def random_scheduler(seed: int, policy: str, gpu_blocks: int, host_blocks: int, host_speed: float,
+                     host_pipeline: str) -> tuple[object, list[Request], "random.Random"]:
+    """A scheduler (a synthetic or, for one seed in three, a zero perf model) and 1-20 random
+    requests (prompts of at most half the largest pool, outputs of 1-50 tokens), from ``seed``."""
+    rng = random.Random(seed)
+    if policy == "full-offload":
+        gpu_blocks = 0
+    model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
+    scheduler = make_scheduler(policy, gpu_blocks, host_blocks, model, host_pipeline=host_pipeline,
+                               max_num_seqs=rng.randint(1, 16), block_size=8)
+    capacity_tokens = max(gpu_blocks, host_blocks) * 8
+    requests = [Request(str(i), [2] * rng.randint(1, min(60, capacity_tokens // 2)),
+                        SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
+    return scheduler, requests, rng

@@ -1,7 +1,6 @@
 """The load-aware scheduler of the lockstep pipeline (placement ``TwoSubBatches``; neo and
 full-offload), without a model."""
 
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -15,7 +14,7 @@ from neo.sched.perf_model import PerfModel
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 from neo.sched.stage_order import ASYMMETRIC
 
-from scheduler_harness import execute, make_scheduler, requests_of, synthetic_model
+from scheduler_harness import execute, make_scheduler, random_scheduler, requests_of, synthetic_model
 from test_block_manager import check_pools
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
@@ -53,12 +52,6 @@ def drive(scheduler, requests: list[Request], on_plan=None, max_steps=20_000,
         execute(scheduler, plan, seconds, host_seconds)
         check_pools(scheduler.block_manager, requests)
     raise AssertionError("requests did not finish")
-
-
-def random_requests(rng: random.Random, capacity_tokens: int) -> list[Request]:
-    """1-20 requests of random prompt (at most half the largest pool) and output lengths."""
-    return [Request(str(i), [2] * rng.randint(1, min(60, capacity_tokens // 2)),
-                    SamplingParams(max_tokens=rng.randint(1, 50))) for i in range(rng.randint(1, 20))]
 
 
 def test_overflow_goes_to_host_and_runs_two_sub_batches():
@@ -291,14 +284,8 @@ def test_full_offload_decodes_every_host_request_every_iteration():
        gpu_blocks=st.integers(4, 40), host_blocks=st.integers(8, 80),
        host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
 def test_random_mixes_never_leak(seed, policy, gpu_blocks, host_blocks, host_speed):
-    rng = random.Random(seed)
-    if policy == "full-offload":
-        gpu_blocks = 0
-    model = synthetic_model(1e-5, 1e-8, host_speed) if seed % 3 else PerfModel.zero()
-    scheduler = make_scheduler(policy, gpu_blocks, host_blocks, model, max_num_seqs=rng.randint(1, 16),
-                               block_size=8)
-    requests = random_requests(rng, max(gpu_blocks, host_blocks) * 8)
+    scheduler, requests, _ = random_scheduler(seed, policy, gpu_blocks, host_blocks, host_speed, "lockstep")
     drive(scheduler, requests)
-    assert scheduler.block_manager.num_free(GPU) == gpu_blocks
+    assert scheduler.block_manager.num_free(GPU) == scheduler.block_manager.num_total(GPU)
     assert scheduler.block_manager.num_free(HOST) == host_blocks
     assert all(r.is_finished for r in requests)

@@ -152,23 +152,15 @@ class LLMEngine:
         return self._step_function(on_launched)
 
     def _step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
-        segments_freed = self._device_segments_freed()
-        scheduling_start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        start = time.perf_counter()
-        self.metrics.schedule_seconds += start - scheduling_start
-        output = self._execute(plan, on_launched, start, start - scheduling_start, 0.0, segments_freed)
+        plan, start, schedule_seconds, segments_freed = self._schedule()
+        output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed)
         decoded = self.scheduler.update(plan, output)
         if output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded)
 
     def _step_with_host_batches(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
-        segments_freed = self._device_segments_freed()
-        scheduling_start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        start = time.perf_counter()
-        self.metrics.schedule_seconds += start - scheduling_start
+        plan, start, schedule_seconds, segments_freed = self._schedule()
         if plan.host_batch is not None:
             try:
                 self.runner.launch_host_batch(plan.host_batch)
@@ -176,7 +168,7 @@ class LLMEngine:
                 self._fail(self.scheduler.fail_host_batch())
                 raise
         launch_seconds = time.perf_counter() - start
-        output = self._execute(plan, on_launched, start, start - scheduling_start, launch_seconds, segments_freed)
+        output = self._execute(plan, on_launched, start, schedule_seconds, launch_seconds, segments_freed)
         host_batch = None
         if self.runner.host_batch_in_flight:
             flight = self.scheduler.placement.in_flight
@@ -191,6 +183,16 @@ class LLMEngine:
         if plan.host_batch is not None or output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded)
+
+    def _schedule(self) -> tuple[SchedulerOutput, float, float, int | None]:
+        """The plan, when scheduling ended (the step's time counts from there), the scheduler's
+        seconds, and the device segments freed so far (traced CUDA engines)."""
+        segments_freed = self._device_segments_freed()
+        began = time.perf_counter()
+        plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        self.metrics.schedule_seconds += start - began
+        return plan, start, start - began, segments_freed
 
     def _execute(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
                  launch_seconds: float, segments_freed: int | None) -> IterationOutput | None:
