@@ -126,8 +126,9 @@ class Scheduler:
         host_requests = self._return_and_admit(batch0, host_requests, plan)
         self._judge_or_reset(host_requests + self.placement.in_flight_requests)
         self.placement.place(self, batch0, host_requests, plan)
-        for request in plan.requests:
-            request.last_scheduled_iteration = self.iteration
+        if self.placement.decodes_on_host:  # the fairness clock of host requests
+            for request in plan.requests:
+                request.last_scheduled_iteration = self.iteration
         return plan
 
     def _make_decode_slots(self, batch0: SubBatch, plan: SchedulerOutput) -> list[Request]:
@@ -135,24 +136,26 @@ class Scheduler:
         ``batch0``; returns the host requests that got a slot (GPU requests evicted just now
         among them), oldest first."""
         plannable = self.placement.plannable(self.running)
-        gpu_queue = [r for r in plannable if r.location is GPU]
+        gpu_queue = deque(r for r in plannable if r.location is GPU)
         while gpu_queue:
-            request = gpu_queue.pop(0)
+            request = gpu_queue.popleft()
             if self._make_slot(request, gpu_queue, plan):
                 batch0.gpu_decodes.append(request)
-        host_queue = [r for r in plannable if r.location is HOST]
+        host_queue = deque(r for r in plannable if r.location is HOST)
         ready = []
         while host_queue:
-            request = host_queue.pop(0)
+            request = host_queue.popleft()
             if self._make_slot(request, host_queue, plan):
                 ready.append(request)
         return ready
 
-    def _make_slot(self, request: Request, queue: list[Request], plan: SchedulerOutput) -> bool:
+    def _make_slot(self, request: Request, queue: deque[Request], plan: SchedulerOutput) -> bool:
         """Room for ``request``'s next token in its pool. While the pool is full, evict the newest
         request of ``queue`` (``request`` itself when none is left). True if it got the slot."""
         manager = self.block_manager
-        while manager.needs_new_block(request) and manager.num_free(request.location) == 0:
+        if not manager.needs_new_block(request):
+            return True
+        while manager.num_free(request.location) == 0:
             victim = queue.pop() if queue else request
             self._evict(victim, plan)
             if victim is request:
