@@ -1,7 +1,7 @@
 // The offloading pipeline's host stage, ordered on CUDA streams.
 //
-// torch.classes.neo_pipeline.HostDecodeStage: one per sub-batch slot of the pipeline. It owns
-// the slot's pinned row buffers and host metadata (filled by the executor once per iteration)
+// torch.classes.neo_pipeline.HostDecodeStage: one per sub-batch of the pipeline. It owns
+// the sub-batch's pinned row buffers and host metadata (filled by the executor once per iteration)
 // and, per layer, one call
 //
 //   stage.start(layer, query_rows, key_rows, value_rows, output_rows, k_cache, v_cache)
@@ -110,7 +110,7 @@ struct LayerCall {
 class HostDecodeStage : public torch::CustomClassHolder {
  public:
   // Pinned row buffers: query, output [R, H, D]; key, value [R, KVH, D]. Host metadata of the
-  // slot's iteration (rows [0, num_decodes[0]) are read): slot_mapping int64 [R]; block_table
+  // sub-batch's iteration (rows [0, num_decodes[0]) are read): slot_mapping int64 [R]; block_table
   // int32 [R, max_blocks]; seq_lens int32 [R]; num_decodes int64 [1]. failure uint8 [>= 2] and
   // host_seconds float64 [1] are shared by the stages of one executor. The copy stream is
   // given by its (id, device index, device type) as torch.cuda.Stream reports them. The CPU

@@ -2,8 +2,8 @@
 
 Decode attention over a host cache reads each block of 4 KiB-32 KiB from scattered places;
 in 4 KiB pages every block costs TLB misses and the hardware prefetchers stop at each page
-boundary. Transparent huge pages remove most of that (20-30% faster CPU attention measured on
-the CI-class machine). Where the system offers no huge pages the memory stays in 4 KiB pages.
+boundary. Transparent huge pages remove most of that. Where the system offers no huge pages the
+memory stays in 4 KiB pages.
 """
 
 import ctypes

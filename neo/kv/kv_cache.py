@@ -58,9 +58,8 @@ class _DeviceAddressedHostMemory:
     """Hands a page-locked host tensor to torch as a CUDA tensor over the same bytes
     (``__cuda_array_interface__``). Registered host memory is mapped for the device, at its host
     address where the device can use host pointers for registered memory
-    (``cudaDevAttrCanUseHostPointerForRegisteredMem``; the H100 hosts measured can, and
-    ``_device_addressed`` checks it), so kernels given this tensor read and write the host
-    memory over PCIe."""
+    (``cudaDevAttrCanUseHostPointerForRegisteredMem``; ``_device_addressed`` checks it), so
+    kernels given this tensor read and write the host memory over PCIe."""
 
     def __init__(self, host: torch.Tensor):
         self.host = host  # keeps the memory alive as long as the CUDA tensor over it

@@ -3,9 +3,9 @@ at start-up.
 
 The first time cuBLAS runs a GEMM shape in a process it prepares it (chooses a kernel, sets
 the kernel's attributes), and that preparation waits until every CUDA host function queued on
-any stream has run. Measured on the H100 (``benchmarks/launch_waits.py``): with a 300 ms host
-function running on another stream, a logits GEMM of a row count never seen before kept the
-launching thread 280 ms; a row count seen before, 0.3 ms. The host pipelines nearly always
+any stream has run (``benchmarks/launch_waits.py`` measures it: a launch of a row count never
+seen before keeps the launching thread about as long as the pending host function runs; a row
+count seen before does not wait; the figures are in RESULTS.md). The host pipelines nearly always
 have host functions queued (a host batch's attention), and the iterations beside them have
 row counts that change every time (prompt lengths, request counts), so without buckets the
 launching thread, and the GPU with it, waited for the host batch in most such iterations.
@@ -13,7 +13,7 @@ launching thread, and the GPU with it, waited for the host batch in most such it
 So a sub-batch's token rows are padded up to a bucket (``build_batch_inputs``: padding rows
 have slot -1 and no attention), the logits GEMM's rows too (``padded_logits``), and
 ``warm_up`` runs every bucket's GEMMs once before serving. GEMM kernels compute whole tiles of
-64-256 rows anyway, so the padding costs little GEMM time.
+rows anyway, so the padding costs little GEMM time.
 """
 
 import logging

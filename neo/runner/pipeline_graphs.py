@@ -1,9 +1,9 @@
 """``PipelineGraphs``: CUDA graphs of decode-only iterations with host decodes.
 
 Queuing an iteration of the offloading pipeline costs the launching thread, per layer and
-sub-batch, the GPU stages' launches plus the host hand-off; on a 32B model that took about as
-long as the GPU work itself, so small two-sub-batch iterations ran at the launching thread's
-pace with the GPU idle between launches. A decode-only iteration (no prefills, no swaps) is
+sub-batch, the GPU stages' launches plus the host hand-off; on large models that can take as
+long as the GPU work itself, so small two-sub-batch iterations would run at the launching
+thread's pace with the GPU idle between launches. A decode-only iteration (no prefills, no swaps) is
 instead captured once per padded shape, with everything the executor queues: both
 sub-batches' GPU stages on the compute stream, and on the copy stream each layer's copies to
 pinned memory, the host function (a graph host node) and the copy back, ordered by the same
@@ -80,7 +80,7 @@ class _Capture:
 
 
 class StaticInputs:
-    """One sub-batch slot's static input buffers on the device, ``rows = largest G + largest C``."""
+    """One sub-batch's static input buffers on the device, ``rows = largest G + largest C``."""
 
     def __init__(self, rows: int, gpu_rows: int, max_blocks: int, device: torch.device):
         int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)

@@ -3,7 +3,7 @@
 - ``HostTimeCalibration``: a factor on the profiled host-attention time.
 - ``HostBatchInterference``: how much slower the GPU's iterations run beside a host batch.
 
-How far the measured times stray from the profile on the H100 machine is in RESULTS.md.
+How far the measured times stray from the profile on the GPU machine is in RESULTS.md.
 """
 
 import statistics
