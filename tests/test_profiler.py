@@ -23,7 +23,7 @@ def test_interpolate_is_piecewise_linear_and_extrapolates():
     assert interpolate([4], [8.0], 2) == pytest.approx(4.0)
 
 
-def test_cpu_attention_is_bilinear():
+def test_host_attention_is_bilinear():
     table = PerfTable(host_attention_requests=[1, 5], host_attention_tokens=[[100, 300], [100, 300]],
                       host_attention_seconds=[[1.0, 3.0], [2.0, 4.0]])
     model = PerfModel(table)
