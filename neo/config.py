@@ -1,6 +1,9 @@
 """``EngineConfig``: every engine setting, validated on creation."""
 
-from dataclasses import dataclass
+import math
+import os
+import typing
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -75,6 +78,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
+        self._check_types()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.host_pipeline not in HOST_PIPELINES:
@@ -103,15 +107,33 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.cpu_attention_threads is not None and self.cpu_attention_threads < 1:
-            raise ValueError(f"cpu_attention_threads must be >= 1, got "
-                             f"{self.cpu_attention_threads}")
+        if self.cuda_graph_max_context < 1:
+            raise ValueError(f"cuda_graph_max_context must be >= 1, got {self.cuda_graph_max_context}")
+        if self.cpu_attention_threads is not None:
+            cores = os.cpu_count() or 1
+            if not 1 <= self.cpu_attention_threads <= cores:
+                raise ValueError(f"cpu_attention_threads must be from 1 to this machine's {cores} "
+                                 f"logical cores, got {self.cpu_attention_threads}")
         if self.device is not None:
             device = torch.device(self.device)
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device 'cuda' was requested but CUDA is not available")
+
+    def _check_types(self) -> None:
+        """Each setting has its declared type (a bool is not an integer; an integer is a
+        float), and every float is finite."""
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            allowed = typing.get_args(setting.type) or (setting.type,)
+            if float in allowed:
+                allowed += (int,)
+            if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+                names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in allowed)
+                raise ValueError(f"{setting.name} must be {names}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{setting.name} must be a finite number, got {value!r}")
 
     @property
     def compute_device(self) -> torch.device:
@@ -121,3 +143,4 @@ class EngineConfig:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+

@@ -185,6 +185,17 @@ def test_invalid_sampling_parameters(options, message):
     (dict(policy="neo", cpu_kv_cache_gib=0), "cpu_kv_cache_gib must be > 0"),
     (dict(load_format="pickle"), "unknown load_format"),
     (dict(dtype="int8"), "unsupported dtype"),
+    (dict(cpu_attention_threads=100000), "cpu_attention_threads must be from 1 to this machine's"),
+    (dict(cpu_attention_threads=0), "cpu_attention_threads must be from 1"),
+    (dict(gpu_kv_cache_gib=float("inf")), "gpu_kv_cache_gib must be a finite number"),
+    (dict(cpu_kv_cache_gib=float("nan")), "cpu_kv_cache_gib must be a finite number"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization must be a finite number"),
+    (dict(max_num_seqs=True), "max_num_seqs must be int, got True"),
+    (dict(max_model_len=1.5), "max_model_len must be int or None, got 1.5"),
+    (dict(block_size="16"), "block_size must be int, got '16'"),
+    (dict(use_cuda_graphs=1), "use_cuda_graphs must be bool, got 1"),
+    (dict(policy="full-offload", cpu_kv_cache_gib=1e-9), "the host KV pool of cpu_kv_cache_gib=1e-09 holds no block"),
+    (dict(policy="neo", cpu_kv_cache_gib=1e-9), "the host KV pool of cpu_kv_cache_gib=1e-09 holds no block"),
 ])
 def test_invalid_engine_settings(options, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -132,3 +132,14 @@ def test_a_rebuilt_kernel_is_profiled_again(tmp_path, monkeypatch):
     tables = sorted((tmp_path / "perf").glob("*.json"))
     assert len(tables) == 2 and {PerfTable.load(str(path)).key["kernels"]["ispc"] for path in tables} == {
         "0123456789abcdef", "fedcba9876543210"}
+
+
+@pytest.mark.parametrize("max_model_len", [64, 300])
+def test_profiles_within_the_models_context(tmp_path, monkeypatch, max_model_len):
+    """Every position the profiler draws is inside the rotary table of a short context."""
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(EngineConfig(policy="neo", perf_model="auto", max_model_len=max_model_len, **SMALL))
+    try:
+        assert not engine.scheduler.estimates.perf_model.is_zero
+    finally:
+        engine.close()

@@ -94,6 +94,10 @@ def build(config: EngineConfig) -> EngineParts:
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
                          f"raise gpu_kv_cache_gib or gpu_memory_utilization")
+    if layout.num_host_blocks == 0 and offloading:
+        raise ValueError(f"policy {config.policy!r} decodes on the host, but the host KV pool of "
+                         f"cpu_kv_cache_gib={config.cpu_kv_cache_gib} holds no block of "
+                         f"{layout.block_bytes} bytes: raise cpu_kv_cache_gib")
     kv_cache = KVCache(layout, device)
     block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
 

@@ -70,6 +70,9 @@ def pre_fraction(model: ModelConfig) -> float:
     return qkv / (qkv + rest)
 
 
+PROBE_LENGTH = 256
+
+
 @dataclass(frozen=True)
 class ProfileLimits:
     """The engine's limits the tables must reach."""
@@ -77,6 +80,12 @@ class ProfileLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+
+    @property
+    def probe_length(self) -> int:
+        """Tokens of each request of the small plans the overheads are measured with: 256, or
+        the longest a request may be in a shorter context."""
+        return min(PROBE_LENGTH, self.max_model_len - 1)
 
 
 def load_perf_model(setting: str, profiler: "Profiler") -> PerfModel:
@@ -261,7 +270,7 @@ class Profiler:
         empty_int = torch.empty(0, dtype=torch.int32, device=device)
         return AttentionMetadata(
             num_prefill_tokens=0, num_gpu_decodes=num_tokens, num_host_decodes=0,
-            positions=torch.randint(0, 1024, (num_tokens,), device=device),
+            positions=torch.randint(0, self.limits.max_model_len, (num_tokens,), device=device),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
             prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_prefill_len=0,
             gpu_block_table=torch.empty((0, 0), dtype=torch.int32, device=device), gpu_seq_lens=empty_int,
@@ -379,13 +388,14 @@ class Profiler:
     def _iteration_overhead(self, model: PerfModel) -> float:
         """The fixed overhead that makes the sequential order's cost meet a small measured
         decode iteration."""
-        requests = self.allocate_requests(KVLocation.GPU, [256])
+        probe = self.limits.probe_length
+        requests = self.allocate_requests(KVLocation.GPU, [probe])
         try:
             measured = self._measure_plan(SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)],
                                                           stage_order=SEQUENTIAL))
         finally:
             self.free_requests(requests)
-        stages = iteration_seconds(SEQUENTIAL, [StageTimes(model.linear(1), model.gpu_attention(256), 0.0)],
+        stages = iteration_seconds(SEQUENTIAL, [StageTimes(model.linear(1), model.gpu_attention(probe), 0.0)],
                                    model.table.pre_fraction)
         return max(0.0, measured - stages)
 
@@ -415,8 +425,9 @@ class Profiler:
         pipeline graphs."""
         if self.layout.num_host_blocks < 4 or self.layout.num_gpu_blocks < 32:
             return 0.0, 0.0
-        gpu = self.allocate_requests(KVLocation.GPU, [256])
-        host = self.allocate_requests(KVLocation.HOST, [256, 256])
+        probe = self.limits.probe_length
+        gpu = self.allocate_requests(KVLocation.GPU, [probe])
+        host = self.allocate_requests(KVLocation.HOST, [probe, probe])
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=gpu, host_decodes=host[:1]),
                                             SubBatch(host_decodes=host[1:])], stage_order=self.stage_order)
         coverage = self.runner.graph_coverage
@@ -436,18 +447,19 @@ class Profiler:
                     replayed = eager
         finally:
             self.free_requests(gpu + host)
-        times = [StageTimes(model.linear(2), model.gpu_attention(256), model.host_attention(1, 256)),
-                 StageTimes(model.linear(1), 0.0, model.host_attention(1, 256))]
+        times = [StageTimes(model.linear(2), model.gpu_attention(probe), model.host_attention(1, probe)),
+                 StageTimes(model.linear(1), 0.0, model.host_attention(1, probe))]
         return (self._overhead_for(model, self.stage_order, times, eager, lowest=0.0),
                 self._overhead_for(model, self.stage_order, times, replayed, lowest=-replayed))
 
     def _host_batch_overhead(self, model: PerfModel) -> float:
-        """Measured time of a host batch of two 256-token decodes (launched, then collected)
+        """Measured time of a host batch of two probe-length decodes (launched, then collected)
         over its order's cost without overhead; none where the engine runs no host batches."""
         runner = self.runner
-        if runner.host_batches is None or self.layout.num_host_blocks < 2 * -(-256 // self.layout.block_size):
+        probe = self.limits.probe_length
+        if runner.host_batches is None or self.layout.num_host_blocks < 2 * -(-probe // self.layout.block_size):
             return 0.0
-        requests = self.allocate_requests(KVLocation.HOST, [256, 256])
+        requests = self.allocate_requests(KVLocation.HOST, [probe, probe])
         batch = SubBatch(host_decodes=requests)
 
         def run():
@@ -458,7 +470,7 @@ class Profiler:
             measured = self._time(run)
         finally:
             self.free_requests(requests)
-        stages = iteration_seconds(HOST_BATCH, [StageTimes(model.linear(2), 0.0, model.host_attention(2, 512))],
+        stages = iteration_seconds(HOST_BATCH, [StageTimes(model.linear(2), 0.0, model.host_attention(2, 2 * probe))],
                                    model.table.pre_fraction)
         return measured - stages
 
