@@ -8,6 +8,18 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 
+class GenerationError(RuntimeError):
+    """Some requests of a ``generate`` call failed (finish reason "error"). ``outputs``: one
+    per prompt, in order, the failed ones among them; ``failed``: those."""
+
+    def __init__(self, outputs: list[RequestOutput], failed: list[RequestOutput]):
+        reasons = "; ".join(f"request {output.request_id}: {output.error}" for output in failed[:3])
+        more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+        super().__init__(f"{len(failed)} of {len(outputs)} requests failed: {reasons}{more}")
+        self.outputs = outputs
+        self.failed = failed
+
+
 class LLM:
     """Load a model and generate, e.g.::
 
@@ -25,7 +37,12 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt (a string, or a list of token ids); one output per prompt,
-        in order. A single prompt may be passed without a list."""
+        in order. A single prompt may be passed without a list.
+
+        Raises ``ValueError`` for a rejected prompt or parameters (nothing is generated), and
+        ``GenerationError`` (with every output) when the engine ended some requests because
+        their work failed. On any exception, Ctrl-C included, this call's unfinished requests
+        are aborted, so the engine is ready for the next call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -34,22 +51,26 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
         request_ids = []
+        results: dict[str, RequestOutput] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_ids.append(engine.add_request(prompt, params).request_id)
-        except ValueError:
+            with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm, unit="req") as progress:
+                while len(results) < len(request_ids):
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            progress.update(1)
+        except BaseException:  # a rejected prompt, a failure outside any request, Ctrl-C
             for request_id in request_ids:
-                engine.abort_request(request_id)
+                if request_id not in results:
+                    engine.abort_request(request_id)
             raise
-        results: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm, unit="req")
-        while len(results) < len(request_ids):
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    progress.update(1)
-        progress.close()
-        return [results[request_id] for request_id in request_ids]
+        outputs = [results[request_id] for request_id in request_ids]
+        failed = [output for output in outputs if output.error is not None]
+        if failed:
+            raise GenerationError(outputs, failed)
+        return outputs
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -27,3 +27,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why the engine ended it, when its finish reason is "error"

@@ -38,6 +38,7 @@ class Request:
         self.num_cached_tokens = 0  # tokens whose K/V is in the cache
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the text
+        self.error: str | None = None  # why the engine ended it (finish reason "error")
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

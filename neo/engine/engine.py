@@ -54,6 +54,7 @@ class LLMEngine:
         self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
+        self._closed = False
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -61,6 +62,8 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Validate and queue a request. Raises ``ValueError`` naming the problem; the engine
         and the requests already queued are unaffected by a rejected one."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         params = sampling_params or SamplingParams()
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if request_id in self._requests:
@@ -138,7 +141,7 @@ class LLMEngine:
 
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> update. Returns the requests that got a token
-        (finished ones marked so).
+        (finished ones marked so), and those whose work failed.
 
         ``on_launched`` is called once per step: when the iteration's device work is queued,
         before the engine waits for it (at once when the plan is empty). A caller that hands
@@ -148,41 +151,56 @@ class LLMEngine:
         Under the async host pipeline the step first launches the plan's host batch, if any,
         and ends by collecting the host batch in flight if it has completed (waiting for it a
         little when the plan had no GPU work); its requests' tokens are among the outputs.
+
+        A failure in running work (the iteration, a swap copy, launching or running a host
+        batch) ends the requests that work touched, whose KV may be half written: each comes
+        back finished with finish reason "error" and ``RequestOutput.error`` saying why, and
+        every other request carries on. Only what belongs to no request (a failure in
+        scheduling, or an interrupt such as ``KeyboardInterrupt``, after the requests the
+        interrupted work touched were ended) is raised.
         """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         return self._step_function(on_launched)
 
     def _step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         plan, start, schedule_seconds, segments_freed = self._schedule()
-        output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed)
+        failed: list[Request] = []
+        output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed, failed)
         decoded = self.scheduler.update(plan, output)
         if output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
-        return self._outputs(plan, decoded)
+        return self._outputs(plan, decoded, failed)
 
     def _step_with_host_batches(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         plan, start, schedule_seconds, segments_freed = self._schedule()
+        failed: list[Request] = []
         if plan.host_batch is not None:
             try:
                 self.runner.launch_host_batch(plan.host_batch)
-            except BaseException:
-                self._fail(self.scheduler.fail_host_batch())
-                raise
+            except BaseException as error:
+                failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
+                if not isinstance(error, Exception):
+                    self._fail(plan.affected_requests, error, "the engine was interrupted")
+                    raise
         launch_seconds = time.perf_counter() - start
-        output = self._execute(plan, on_launched, start, schedule_seconds, launch_seconds, segments_freed)
+        output = self._execute(plan, on_launched, start, schedule_seconds, launch_seconds, segments_freed, failed)
         host_batch = None
         if self.runner.host_batch_in_flight:
             flight = self.scheduler.placement.in_flight
             try:
                 host_batch = self.runner.collect_host_batch(HOST_BATCH_WAIT_SECONDS if output is None else 0.0)
-            except BaseException:
-                self._fail(self.scheduler.fail_host_batch())
-                raise
+            except BaseException as error:
+                failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed")
+                if not isinstance(error, Exception):  # the plan's tokens would not be appended
+                    self._fail(plan.affected_requests, error, "the engine was interrupted")
+                    raise
             if host_batch is not None:
                 self._count_host_batch(host_batch, flight)
         decoded = self.scheduler.update(plan, output, host_batch)
         if plan.host_batch is not None or output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
-        return self._outputs(plan, decoded)
+        return self._outputs(plan, decoded, failed)
 
     def _schedule(self) -> tuple[SchedulerOutput, float, float, int | None]:
         """The plan, when scheduling ended (the step's time counts from there), the scheduler's
@@ -195,38 +213,60 @@ class LLMEngine:
         return plan, start, start - began, segments_freed
 
     def _execute(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
-                 launch_seconds: float, segments_freed: int | None) -> IterationOutput | None:
-        """Run the plan's compute-stream work (None when it has none); ``start``: when the step
-        began after scheduling, from which its measured time counts."""
+                 launch_seconds: float, segments_freed: int | None, failed: list[Request]) -> IterationOutput | None:
+        """Run the plan's compute-stream work (None when it has none, or when it failed: its
+        requests are then ended and added to ``failed``); ``start``: when the step began after
+        scheduling, from which its measured time counts."""
         if plan.is_empty:
             if on_launched is not None:
                 on_launched()
             return None
         try:
             output = self.runner.execute(plan, on_launched)
-        except BaseException:
-            self._fail(plan.requests)
-            raise
+        except BaseException as error:
+            failed += self._fail(plan.affected_requests, error, "its iteration failed")
+            if not isinstance(error, Exception):
+                raise
+            return None
         output.seconds = time.perf_counter() - start  # the step's launch of a host batch included
         self._count(plan, output)
         if self.trace is not None:
             self._record(plan, output, schedule_seconds, launch_seconds, segments_freed)
         return output
 
-    def _fail(self, requests: list[Request]) -> None:
-        """Their iteration (or host batch) raised: end them (their KV may be half written) and
-        give their blocks back; every other request carries on."""
-        for request in requests:
-            if not request.is_finished:
-                logger.error("request %s ended: its iteration failed", request.request_id)
-                self.abort_request(request.request_id, reason="error")
+    def _fail(self, requests: list[Request], error: BaseException, what: str) -> list[Request]:
+        """Work on ``requests`` raised ``error``: wait until no queued work touches their
+        blocks, then end them with finish reason "error" (their KV may be half written) and
+        give their blocks back. Returns those ended here (not the ones already finished)."""
+        self._quiesce()
+        reason = f"{what}: {type(error).__name__}: {error}"
+        ended = [request for request in requests if not request.is_finished]
+        if ended:
+            logger.error("%d requests ended (%s): %s", len(ended), reason,
+                         ", ".join(request.request_id for request in ended), exc_info=error)
+        for request in ended:
+            request.error = reason
+            self.abort_request(request.request_id, reason="error")
+        return ended
+
+    def _quiesce(self) -> None:
+        """Wait for the device's queued work and the host worker's tasks, so that nothing still
+        reads or writes the blocks of requests about to be ended."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as error:  # the device itself failed: its queued work is gone
+                logger.error("waiting for the device after a failure failed: %s", error)
+        if self.worker is not None:
+            self.worker.drain()
 
     # -- outputs and metrics -------------------------------------------------------------------
 
-    def _outputs(self, plan: SchedulerOutput, decoded: list[Request]) -> list[RequestOutput]:
-        """The plan's requests ended while planning, then those that got a token."""
+    def _outputs(self, plan: SchedulerOutput, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
+        """The requests whose work failed, the plan's requests ended while planning, then those
+        that got a token."""
         now = time.monotonic()
-        outputs = []
+        outputs = [self._output(request) for request in failed]
         for request in plan.finished:
             logger.warning("request %s was ended at %d tokens: the KV pools had no room left for it",
                            request.request_id, request.num_tokens)
@@ -249,7 +289,7 @@ class LLMEngine:
         """A snapshot of the request; text and metrics once it has finished."""
         completion = CompletionOutput(0, request.output_token_ids[:], "", request.finish_reason)
         output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                               request.status is RequestStatus.FINISHED)
+                               request.status is RequestStatus.FINISHED, error=request.error)
         if output.finished:
             text = request.output_text
             if text is None and self.tokenizer is not None:
@@ -306,6 +346,11 @@ class LLMEngine:
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before)))
 
     def close(self) -> None:
+        """Release the pools and the host worker; later calls of ``add_request`` and ``step``
+        raise. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.runner.host_batch_in_flight:  # its host functions use the pools freed below
             try:
                 self.runner.collect_host_batch(wait_seconds=float("inf"))

@@ -44,6 +44,10 @@ class HostAttentionWorker:
             with self._lock:
                 self._busy_seconds += time.perf_counter() - start
 
+    def drain(self) -> None:
+        """Wait until every task submitted so far has run (tasks run in submission order)."""
+        self._executor.submit(lambda: None).result()
+
     def take_busy_seconds(self) -> float:
         """Seconds spent in tasks since the last call."""
         with self._lock:

@@ -177,6 +177,7 @@ class Scheduler:
         decodes_on_host = self.placement.decodes_on_host
         if request.location is GPU and manager.can_move(request, HOST, reserve=1 if decodes_on_host else 0):
             plan.swap_out += manager.move(request, HOST)
+            plan.moved.append(request)
             if not decodes_on_host:  # preempted: it waits in the host pool to come back
                 request.num_preemptions += 1
                 self.num_preemptions += 1
@@ -241,6 +242,7 @@ class Scheduler:
             if not manager.can_move(request, GPU, reserve=reserve):
                 return candidates[index:]
             plan.swap_in += manager.move(request, GPU)
+            plan.moved.append(request)
             if preempted:
                 manager.append_slot(request)
                 request.status = RequestStatus.RUNNING

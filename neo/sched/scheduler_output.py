@@ -50,6 +50,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, host_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host_block, gpu_block)
     finished: list[Request] = field(default_factory=list)  # ended while planning (out of room)
+    # Requests whose blocks ``swap_out``/``swap_in`` copy; a swapped-out one may be in no
+    # sub-batch (it waits in the host pool, or decodes there in a later iteration).
+    moved: list[Request] = field(default_factory=list)
     predicted_time: float | None = None  # seconds, from the PerfModel (offloading policies)
     predicted_host_time: float | None = None  # of which host attention (both sub-batches)
     profiled_host_time: float | None = None  # the same from the profile alone (uncalibrated)
@@ -67,6 +70,12 @@ class SchedulerOutput:
     @property
     def requests(self) -> list[Request]:
         return [request for batch in self.sub_batches for request in batch.requests]
+
+    @property
+    def affected_requests(self) -> list[Request]:
+        """Every request whose state executing the plan changes: ``requests`` and ``moved``."""
+        seen = set()
+        return [r for r in self.requests + self.moved if id(r) not in seen and not seen.add(id(r))]
 
     @property
     def has_swaps(self) -> bool:

@@ -319,25 +319,24 @@ class AsyncEngine:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            deliveries.append((tracked.queue, output))
+            if output.error is not None:  # the engine ended it: its work failed
+                deliveries.append((tracked.queue, RequestFailed(f"the engine failed running this request: "
+                                                                f"{output.error}")))
+            else:
+                deliveries.append((tracked.queue, output))
             if output.finished:
                 del self._tracked[output.request_id]
 
     def _end_failed_requests(self, error: Exception, deliveries: list) -> None:
-        """The engine has ended the failed iteration's requests; tell them. If it ended none
-        (the failure was not in running a plan), end every request so the loop cannot fail
-        the same way forever."""
-        ended = [request_id for request_id, tracked in self._tracked.items()
-                 if tracked.request.is_finished]
-        if not ended:
-            logger.error("the failed iteration ended no request: aborting all %d requests",
-                         len(self._tracked))
-            ended = list(self._tracked)
-        for request_id in ended:
-            tracked = self._tracked.pop(request_id)
+        """A step raised: the failure belongs to no request (the engine ends the requests of
+        failed work itself and returns them), so end every request, lest the loop fail the
+        same way forever."""
+        logger.error("an engine step failed outside any request's work: ending all %d requests",
+                     len(self._tracked))
+        for request_id, tracked in self._tracked.items():
             self.engine.abort_request(request_id, reason="error")
-            deliveries.append((tracked.queue, RequestFailed(
-                f"the engine iteration running this request failed: {error}")))
+            deliveries.append((tracked.queue, RequestFailed(f"the engine failed: {error}")))
+        self._tracked.clear()
 
     def _abort_all(self, deliveries: list, reason_error: Exception | None) -> None:
         """End every tracked request: with ``reason_error`` delivered, or else a final
