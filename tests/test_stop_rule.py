@@ -38,6 +38,29 @@ def random_token_ids(rng: random.Random, tokenizer: Tokenizer, length: int) -> l
     return token_ids
 
 
+def broken_utf8_token_ids(rng: random.Random, num_pieces: int) -> list[int]:
+    """Long runs of bytes that never complete a character (lone continuation bytes, lead bytes,
+    cut-off sequences), special tokens inside and between characters, and whole characters."""
+    pieces = []
+    for _ in range(num_pieces):
+        kind = rng.randrange(5)
+        if kind == 0:
+            pieces += [rng.randrange(0x80, 0xC0) for _ in range(rng.randint(1, 20))]
+        elif kind == 1:
+            pieces += [rng.choice([0xC3, 0xE2, 0xF0]) for _ in range(rng.randint(1, 20))]
+        elif kind == 2:
+            encoded = list(rng.choice("é日🎉€").encode())
+            pieces += encoded[:rng.randrange(1, len(encoded))]
+        elif kind == 3:
+            pieces += [rng.randrange(NUM_BYTE_TOKENS, VOCAB) for _ in range(rng.randint(1, 12))]
+        else:
+            encoded = list(rng.choice("aé日🎉€ ").encode())
+            for _ in range(rng.randint(0, 2)):  # special tokens inside the character
+                encoded.insert(rng.randrange(len(encoded) + 1), rng.randrange(NUM_BYTE_TOKENS, VOCAB))
+            pieces += encoded
+    return pieces
+
+
 def random_stops(rng: random.Random, text: str) -> list[str]:
     """Pieces of ``text`` (some with U+FFFD where the text has one), and strings it lacks."""
     stops = []
@@ -76,15 +99,17 @@ def incremental_rule(tokenizer: Tokenizer, token_ids: list[int], stops: list[str
     return None
 
 
-@pytest.mark.parametrize("source", ["text", "any-token"])
+@pytest.mark.parametrize("source", ["text", "any-token", "broken-utf8"])
 def test_incremental_search_equals_full_decode(source, seed, tokenizer):
     rng = random.Random(seed)
     stopped = 0
     for _ in range(300):
         if source == "text":
             token_ids = random_token_ids(rng, tokenizer, rng.randint(1, 80))
-        else:  # any token of the vocabulary: mostly invalid UTF-8
+        elif source == "any-token":  # any token of the vocabulary: mostly invalid UTF-8
             token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 80))]
+        else:
+            token_ids = broken_utf8_token_ids(rng, rng.randint(1, 16))
         stops = random_stops(rng, tokenizer.decode(token_ids))
         expected = full_decode_rule(tokenizer, token_ids, stops)
         assert incremental_rule(tokenizer, token_ids, stops) == expected, (token_ids, stops)
@@ -100,6 +125,12 @@ def test_stop_across_a_split_character_and_a_long_stop_string(tokenizer):
     assert incremental_rule(tokenizer, token_ids, ["fé"]) == (second + 1, "xx ca")
     assert incremental_rule(tokenizer, token_ids, ["fé a"]) == (second + 3, "xx ca")
     assert incremental_rule(tokenizer, token_ids, ["f\ufffd"]) == (second, "xx ca")
+    # A cut-off character (F0 9F 98 is one U+FFFD) in a run of bytes that never completes a
+    # character: the run settles in parts, and the text stays that of decoding every token.
+    token_ids = [0xE2] * 4 + [0xF0, 0x9F, 0x98] + [0xE2] * 20 + list("日".encode())
+    assert incremental_rule(tokenizer, token_ids, ["\ufffd" * 25 + "日"]) == (len(token_ids), "")
+    assert incremental_rule(tokenizer, token_ids, ["\ufffd" * 26]) == (len(token_ids) - 2, "")  # 日 begun
+    assert incremental_rule(tokenizer, token_ids, ["\ufffd" * 27]) is None
     # A stop string as long as allowed, ending at the last token.
     rng = random.Random(1)
     text = "".join(rng.choice("abcdé日") for _ in range(300))
@@ -124,11 +155,13 @@ def test_update_decodes_a_window_of_constant_size(tokenizer):
             return tokenizer.decode(token_ids)
 
     rng = random.Random(0)
+    special_ids = StopRule(frozenset(), tokenizer, max_model_len=1).special_token_ids
+    assert special_ids == frozenset(range(NUM_BYTE_TOKENS, VOCAB))
     per_token = []
     for length in (200, 4000):
         token_ids = random_token_ids(rng, tokenizer, length)
         counting = CountingTokenizer()
-        text = IncrementalText(counting, overlap=MAX_STOP_STRING_LENGTH - 1)
+        text = IncrementalText(counting, MAX_STOP_STRING_LENGTH - 1, special_ids)
         longest_recent = 0
         for end in range(1, len(token_ids) + 1):
             start, recent = text.update(token_ids[:end])
@@ -138,6 +171,15 @@ def test_update_decodes_a_window_of_constant_size(tokenizer):
         # What a token's search covers: the overlap plus the few characters it added.
         assert longest_recent <= MAX_STOP_STRING_LENGTH - 1 + 8
     assert per_token[1] < per_token[0] * 1.5 and per_token[1] < 20, per_token
+    # Outputs that never complete a character, or only special tokens, keep the window short too.
+    for run in ([0x80], [0xE2], [0xE2, 0x82], [0xF0, 300, 0x9F, 301], [300]):
+        counting = CountingTokenizer()
+        text = IncrementalText(counting, 3, special_ids)
+        token_ids = (run * 4000)[:4000]
+        for end in range(1, len(token_ids) + 1):
+            text.update(token_ids[:end])
+        assert text.text == tokenizer.decode(token_ids)
+        assert counting.decoded_tokens / len(token_ids) < 40, (run, counting.decoded_tokens)
 
 
 def test_stop_token_ids_end_generation_at_once():
