@@ -104,11 +104,11 @@ class StopRule:
     strings, its ``max_tokens``, and the model's context length.
 
     Stop strings are searched for incrementally: the request keeps an ``IncrementalText`` of its
-    output, and each token's search covers only the text it added plus the (longest stop string
-    - 1) characters before it. A stop string that ends in the older text would have stopped the
-    request at an earlier token, so this finds what searching the whole text finds: the request
-    stops at the first token whose text holds a stop string, and its text is cut where the first
-    one starts.
+    output, and each token's search covers only the text it added plus the characters before it
+    that a stop string could still end past (one fewer than the longest stop string has). A
+    stop string that ends in the older text would have stopped the request at an earlier token,
+    so this finds what searching the whole text finds: the request stops at the first token
+    whose text holds a stop string, and its text is cut where the first one starts.
     """
 
     def __init__(self, eos_token_ids: frozenset[int], tokenizer, max_model_len: int):
