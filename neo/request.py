@@ -2,10 +2,14 @@
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine.stop import IncrementalText
 
 
 class RequestStatus(enum.Enum):
@@ -39,11 +43,16 @@ class Request:
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the text
         self.error: str | None = None  # why the engine ended it (finish reason "error")
+        # The output decoded so far, kept by the stop rule (``neo.engine.stop``) when the
+        # request has stop strings: each token decodes and searches only a short window.
+        self.incremental_text: IncrementalText | None = None
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)  # one lookup per token
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.last_scheduled_iteration = 0  # the scheduler's fairness clock for host decodes
+        # Seeded here, at admission: SamplingParams bounds the seed to what manual_seed takes.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
