@@ -6,6 +6,12 @@
   offloading policies agree within bf16 rounding, decode after decode.
 """
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -194,7 +200,7 @@ def test_serving_allocates_no_page_locked_memory():
 
 @pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
-def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipeline, monkeypatch):
+def test_host_failure_ends_its_request_with_an_error_and_frees_blocks(cuda_graphs, host_pipeline, monkeypatch):
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="float32", policy="full-offload",
                                     gpu_kv_cache_gib=gib_for_blocks(4), cpu_kv_cache_gib=gib_for_blocks(64),
                                     perf_model="zero", use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline))
@@ -215,10 +221,13 @@ def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipe
                 buffers.block_table[0, 0] = engine.layout.num_host_blocks + 7
 
         monkeypatch.setattr(neo.runner.host_attention.HostRowBuffers, "load", load_corrupted)
-        with pytest.raises(RuntimeError, match="host decode attention failed: .*block id"):
-            while engine.has_unfinished_requests():  # the failure surfaces when its batch is collected
-                engine.step()
+        outputs = []
+        while engine.has_unfinished_requests():  # the failure surfaces when its batch is collected
+            outputs += engine.step()
         monkeypatch.undo()
+        (failed,) = [output for output in outputs if output.finished]
+        assert failed.outputs[0].finish_reason == "error"
+        assert re.search("host decode attention failed: .*block id", failed.error), failed.error
         assert not engine.has_unfinished_requests()
         assert engine.block_manager.num_free(KVLocation.HOST) == engine.layout.num_host_blocks
         survivor = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
@@ -227,3 +236,41 @@ def test_host_failure_reaches_the_caller_and_frees_blocks(cuda_graphs, host_pipe
         assert survivor.num_output_tokens == 5
     finally:
         engine.close()
+
+
+# Run in a fresh interpreter where the CUDA extension cannot be imported: the reference ops
+# serve the GPU. Prints the greedy tokens of PROMPTS per setting as JSON.
+WITHOUT_CUDA_KERNELS = """
+import json, sys
+sys.modules["neo.ops._cuda_kernels"] = None  # importing it raises ImportError
+from engine_reference import PROMPTS, gib_for_blocks
+from neo import LLM, SamplingParams
+from neo.ops import select_implementation
+assert select_implementation("store_kv_cache", "cuda").name == "reference"
+results = {}
+for name, policy, blocks, pipeline in [("gpu-only", "gpu-only", 1024, "lockstep"),
+                                       ("gpu-only-preempting", "gpu-only", 8, "lockstep"),
+                                       ("neo", "neo", 10, "lockstep"), ("neo-async", "neo", 10, "async")]:
+    llm = LLM("neo-tiny", device="cuda", dtype="float32", policy=policy, gpu_kv_cache_gib=gib_for_blocks(blocks),
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline=pipeline)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=%d, temperature=0, ignore_eos=True))
+    results[name] = dict(tokens=[output.outputs[0].token_ids for output in outputs],
+                         graph_iterations=llm.get_metrics()["graph_iterations"])
+    llm.close()
+print(json.dumps(results))
+""" % NEW_TOKENS
+
+
+def test_engine_runs_with_the_cuda_kernels_unavailable(expected):
+    """With no CUDA extension the reference ops serve the GPU: the engine starts (CUDA graphs
+    off, with a notice naming why) and every policy's tokens equal transformers'."""
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                                os.environ.get("PYTHONPATH", "")]))
+    completed = subprocess.run([sys.executable, "-c", WITHOUT_CUDA_KERNELS], capture_output=True, text=True,
+                               timeout=600, env=environment)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "CUDA graphs are off" in completed.stderr and "_cuda_kernels" in completed.stderr
+    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    for name, result in results.items():
+        assert result["tokens"] == expected, name
+        assert result["graph_iterations"] == 0, name

@@ -12,7 +12,7 @@ from neo.kv.budget import gpu_kv_cache_bytes
 from neo.kv.kv_cache import GIB, CacheLayout, KVCache
 from neo.models.config import parse_dtype
 from neo.models.loader import load_model, resolve_model_config
-from neo.ops import select_implementation
+from neo.ops import OP_NAMES, implementations, select_implementation
 from neo.runner.decode_graphs import DecodeGraphs
 from neo.runner.executor import PipelineExecutor
 from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
@@ -70,6 +70,18 @@ def host_kernels(name: str) -> HostKernels:
     return HostKernels(store=store, attention=attention)
 
 
+def ops_without_native_kernel(device: str) -> list[str]:
+    """The ops ``torch.ops.neo`` runs on ``device`` with a Python implementation."""
+    return [op for op in OP_NAMES if not select_implementation(op, device).native]
+
+
+def missing_kernel_note(op: str, device: str) -> str:
+    """Why ``op`` has no compiled kernel on ``device``, as the registry says."""
+    notes = [impl.note for impl in implementations(op, device, available_only=False)
+             if impl.native and not impl.available and impl.note]
+    return notes[0] if notes else f"no compiled kernel of neo.{op} for {device}"
+
+
 def build(config: EngineConfig) -> EngineParts:
     device = config.compute_device
     if device.type == "cuda":
@@ -111,6 +123,12 @@ def build(config: EngineConfig) -> EngineParts:
     graph_context = None
     if device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
+        python_ops = ops_without_native_kernel("cuda")
+        if python_ops:
+            logger.warning("CUDA graphs are off: torch.ops.neo runs %s on the GPU with Python implementations "
+                           "(%s), which read metadata on the host, and a graph capture forbids that; "
+                           "iterations run eagerly", ", ".join(python_ops), missing_kernel_note(python_ops[0], "cuda"))
+            graph_context = None
     decode_graphs = pipeline_graphs = host_batches = None
     if graph_context is not None:
         decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)

@@ -1,5 +1,6 @@
 """``LLMEngine``: add requests, then ``step`` = schedule -> execute -> update."""
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -64,7 +65,8 @@ class LLMEngine:
         and the requests already queued are unaffected by a rejected one."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        params = sampling_params or SamplingParams()
+        # A private copy, checked again: the caller may have changed its object after creating it.
+        params = dataclasses.replace(sampling_params) if sampling_params is not None else SamplingParams()
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
