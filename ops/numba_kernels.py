@@ -528,7 +528,8 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
     (one dtype, CPU); block_table int32 ``[S, max_blocks]``; seq_lens int32 ``[S]``. Accumulates
     in float32 on ``min(torch.get_num_threads(), numba's thread count)`` threads.
     """
-    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
+                                             scale)
     checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
     if q.shape[0] == 0:
         return

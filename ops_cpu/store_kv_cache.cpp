@@ -24,6 +24,7 @@ void check_arguments(const at::Tensor& key, const at::Tensor& value, const at::T
     TORCH_CHECK_VALUE(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), "neo.",
                       kOp, ": key [*, ", key.size(1), ", ", key.size(2), "] does not match the "
                       "cache's num_kv_heads ", k_cache.size(1), " and head_dim ", k_cache.size(3));
+    check_float_dtype(kOp, "key", key);
     TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type() &&
                           key.scalar_type() == k_cache.scalar_type(),
                       "neo.", kOp, ": key, value and caches must share one dtype, got ",
