@@ -536,11 +536,13 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
     torch_threads = torch.get_num_threads()
     num_threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
     arrays = [_as_array(tensor) for tensor in (q, k_cache, v_cache)]
+    # The metadata is small: contiguous copies of strided tables keep the kernel to one compiled
+    # specialization per dtype (numba compiles another for every array layout it is given).
+    metadata = [tensor.contiguous().numpy() for tensor in (block_table, seq_lens)]
     with _launch_lock:
         numba.set_num_threads(num_threads)
         try:
-            result = _decode_attention(*arrays, block_table.numpy(), seq_lens.numpy(),
-                                       np.float32(scale), num_threads)
+            result = _decode_attention(*arrays, *metadata, np.float32(scale), num_threads)
         finally:
             # numba's OpenMP thread pool can share OpenMP's thread-count setting with torch (and
             # sets it when it starts): leave torch's as it was

@@ -243,10 +243,10 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   NEO_CHECK(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), op, "key [*, ",
             key.size(1), ", ", key.size(2), "] does not match the cache's num_kv_heads ",
             k_cache.size(1), " and head_dim ", k_cache.size(3));
+  const DataType dtype = data_type_of(key, op, "key");
   NEO_CHECK(key.scalar_type() == value.scalar_type() && key.scalar_type() == k_cache.scalar_type(),
             op, "key, value and caches must share one dtype, got ", key.scalar_type(), ", ",
             value.scalar_type(), ", ", k_cache.scalar_type());
-  const DataType dtype = data_type_of(key, op, "key");
   const int64_t num_tokens = key.size(0);
   NEO_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                 slot_mapping.size(0) == num_tokens,
@@ -374,9 +374,11 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   NEO_CHECK(q.size(1) >= 1, op, "q must have num_heads >= 1, got ", q.size(1));
   NEO_CHECK(q.size(1) % k.size(1) == 0, op, "num_heads ", q.size(1),
             " is not a multiple of num_kv_heads ", k.size(1));
+  const DataType dtype = data_type_of(q, op, "q");
   NEO_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                 q.scalar_type() == out.scalar_type(),
-            op, "q, k, v and out must share a dtype");
+            op, "q, k, v and out must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+            ", ", v.scalar_type(), ", ", out.scalar_type());
   NEO_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 &&
                 cu_seqlens.numel() >= 1,
             op, "cu_seqlens must be int32 [num_seqs + 1], got ", cu_seqlens.scalar_type(), " ",
@@ -388,7 +390,6 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t min_seqlen = num_tokens == 0 ? 0 : 1;
   NEO_CHECK(max_seqlen >= min_seqlen, op, "max_seqlen must be >= ", min_seqlen, " with ",
             num_tokens, " tokens, got ", max_seqlen);
-  const DataType dtype = data_type_of(q, op, "q");
   NEO_CHECK(q.is_cuda(), op, "q is on ", q.device(), "; this kernel needs CUDA tensors");
   check_on_device(op, q, "q", k, "k");
   check_on_device(op, q, "q", v, "v");
