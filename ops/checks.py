@@ -150,8 +150,10 @@ def check_store_kv_cache_args(key, value, k_cache, v_cache, slot_mapping) -> Non
 
 
 def check_store_kv_cache_values(k_cache, slot_mapping) -> None:
-    """Reads ``slot_mapping``: a host sync on GPU tensors, skipped while a CUDA graph is being
-    captured."""
+    """Reads ``slot_mapping``: every slot is -1 or in the cache, and no slot is given to two
+    tokens (which token's K/V it kept would depend on the order the copies run in). A host
+    sync on GPU tensors, skipped while a CUDA graph is being captured."""
+    op = "store_kv_cache"
     if _capturing(slot_mapping):
         return
     num_slots = k_cache.shape[0] * k_cache.shape[2]
@@ -159,8 +161,14 @@ def check_store_kv_cache_values(k_cache, slot_mapping) -> None:
     bad = (slots < -1) | (slots >= num_slots)
     if bool(bad.any()):
         index = int(bad.nonzero()[0, 0])
-        raise ValueError(f"neo.store_kv_cache: slot {int(slots[index])} of token {index} is "
-                         f"outside the cache's {num_slots} slots")
+        raise ValueError(f"neo.{op}: slot {int(slots[index])} of token {index} is outside the "
+                         f"cache's {num_slots} slots")
+    first_token = {}
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            _require(slot not in first_token, op, f"slot {slot} of token {token} is also the "
+                     f"slot of token {first_token.get(slot)}")
+            first_token[slot] = token
 
 
 def check_swap_blocks_args(src, dst, block_mapping) -> None:

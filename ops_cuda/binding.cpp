@@ -4,10 +4,11 @@
 //
 // Argument checks mirror ops/checks.py and raise ValueError like it. Values held on the device
 // are not checked, since reading them would synchronize (and is illegal during a CUDA graph
-// capture): paged_decode_attention's block ids and seq_lens, store_kv_cache's slots,
-// prefill_attention's cu_seqlens (start at 0, non-decreasing, end at num_tokens) and the bound
-// max_seqlen >= the longest prompt, rotary_embedding's positions (0 <= position <
-// max_positions). The host-side implementations check those (ops/checks.py, check_*_values).
+// capture): paged_decode_attention's block ids and seq_lens, store_kv_cache's slots (in the
+// cache, no slot given to two tokens), prefill_attention's cu_seqlens (start at 0,
+// non-decreasing, end at num_tokens) and the bound max_seqlen >= the longest prompt,
+// rotary_embedding's positions (0 <= position < max_positions). The host-side implementations
+// check those (ops/checks.py, check_*_values); here they are the caller's to get right.
 #include <Python.h>
 
 #include <cmath>
