@@ -29,8 +29,7 @@ import neo.ops
 from conftest import (FLOAT_DTYPES, assert_close, implementation_params, random_paged_kv,
                       random_tensor)
 
-# 8 examples per kind of corruption (each op has 6 to 30 kinds) and 80 valid cases per op and
-# implementation.
+# Per op and implementation: 8 examples of each kind of corruption, 80 valid cases.
 settings.register_profile("op-input-checks", max_examples=8, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 CORRUPTED_SETTINGS = settings.get_profile("op-input-checks")
@@ -884,3 +883,33 @@ def test_corrupted_input(op, implementation, device, corruption, data, seed):
     assert message.startswith(f"neo.{op}: "), message
     assert re.search(breaking.phrase, message), f"{message!r} lacks {breaking.phrase!r}"
     buffers.assert_unchanged(writable=set())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA is not available (torch.cuda.is_available() is False)")
+def test_value_checks_are_skipped_during_cuda_graph_capture():
+    """The reference rotary_embedding checks its positions on the host, except while a CUDA
+    graph is being captured (a host read there would break the capture); the captured graph
+    replays the rotation."""
+    generator = torch.Generator().manual_seed(0)
+    rotary = torch.ops.neo_reference.rotary_embedding
+    angles = torch.rand((16, 8), generator=generator)
+    cache = torch.cat((angles.cos(), angles.sin()), dim=1).cuda()
+    query = random_tensor((3, 4, 16), torch.float32, generator, "cuda")
+    key = random_tensor((3, 2, 16), torch.float32, generator, "cuda")
+    with pytest.raises(ValueError, match="position 16 of token 1 is outside"):
+        rotary(torch.tensor([0, 16, 2], device="cuda"), query, key, cache)
+    positions = torch.tensor([0, 15, 2], device="cuda")
+    expected = {name: tensor.clone() for name, tensor in (("query", query), ("key", key))}
+    rotary(positions, expected["query"], expected["key"], cache)
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):  # warm-up outside the capture, as torch advises
+        rotary(positions, query.clone(), key.clone(), cache)
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rotary(positions, query, key, cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(query, expected["query"]) and torch.equal(key, expected["key"])
