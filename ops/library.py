@@ -47,7 +47,8 @@ def is_declared(qualified_name: str) -> bool:
 # checks what can be checked from metadata.
 
 def _fake_paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale):
-    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
+                                             scale)
 
 
 def _fake_store_kv_cache(key, value, k_cache, v_cache, slot_mapping):
@@ -59,15 +60,15 @@ def _fake_swap_blocks(src, dst, block_mapping):
 
 
 def _fake_prefill_attention(out, q, k, v, cu_seqlens, max_seqlen, scale):
-    checks.check_prefill_attention_args(out, q, k, v, cu_seqlens)
+    checks.check_prefill_attention_args(out, q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 def _fake_rms_norm(out, input, weight, epsilon):
-    checks.check_rms_norm_args("rms_norm", input, weight, out)
+    checks.check_rms_norm_args("rms_norm", input, weight, epsilon, out, "out")
 
 
 def _fake_fused_add_rms_norm(input, residual, weight, epsilon):
-    checks.check_rms_norm_args("fused_add_rms_norm", input, weight, residual)
+    checks.check_rms_norm_args("fused_add_rms_norm", input, weight, epsilon, residual, "residual")
 
 
 def _fake_rotary_embedding(positions, query, key, cos_sin_cache):

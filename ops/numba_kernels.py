@@ -528,18 +528,21 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
     (one dtype, CPU); block_table int32 ``[S, max_blocks]``; seq_lens int32 ``[S]``. Accumulates
     in float32 on ``min(torch.get_num_threads(), numba's thread count)`` threads.
     """
-    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
+                                             scale)
     checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
     if q.shape[0] == 0:
         return
     torch_threads = torch.get_num_threads()
     num_threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
     arrays = [_as_array(tensor) for tensor in (q, k_cache, v_cache)]
+    # The metadata is small: contiguous copies of strided tables keep the kernel to one compiled
+    # specialization per dtype (numba compiles another for every array layout it is given).
+    metadata = [tensor.contiguous().numpy() for tensor in (block_table, seq_lens)]
     with _launch_lock:
         numba.set_num_threads(num_threads)
         try:
-            result = _decode_attention(*arrays, block_table.numpy(), seq_lens.numpy(),
-                                       np.float32(scale), num_threads)
+            result = _decode_attention(*arrays, *metadata, np.float32(scale), num_threads)
         finally:
             # numba's OpenMP thread pool can share OpenMP's thread-count setting with torch (and
             # sets it when it starts): leave torch's as it was

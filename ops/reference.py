@@ -13,7 +13,8 @@ from . import checks
 
 def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale):
     """One decode query per sequence against its paged K/V (shapes in ``schemas``)."""
-    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens)
+    checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
+                                             scale)
     checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
@@ -64,7 +65,8 @@ def swap_blocks(src, dst, block_mapping):
 
 def prefill_attention(out, q, k, v, cu_seqlens, max_seqlen, scale):
     """Causal self-attention within each packed prompt."""
-    checks.check_prefill_attention_args(out, q, k, v, cu_seqlens)
+    checks.check_prefill_attention_args(out, q, k, v, cu_seqlens, max_seqlen, scale)
+    checks.check_prefill_attention_values(q, cu_seqlens, max_seqlen)
     bounds = cu_seqlens.tolist()
     group = q.shape[1] // k.shape[1]
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -85,13 +87,13 @@ def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> tor
 
 def rms_norm(out, input, weight, epsilon):
     """``out = weight * input / rms(input)``, computed in float32 like Hugging Face's Llama."""
-    checks.check_rms_norm_args("rms_norm", input, weight, out)
+    checks.check_rms_norm_args("rms_norm", input, weight, epsilon, out, "out")
     out.copy_(_rms_normalize(input, weight, epsilon))
 
 
 def fused_add_rms_norm(input, residual, weight, epsilon):
     """``residual += input``; ``input = rms_norm(residual)``."""
-    checks.check_rms_norm_args("fused_add_rms_norm", input, weight, residual)
+    checks.check_rms_norm_args("fused_add_rms_norm", input, weight, epsilon, residual, "residual")
     residual.add_(input)
     input.copy_(_rms_normalize(residual, weight, epsilon))
 
@@ -99,6 +101,7 @@ def fused_add_rms_norm(input, residual, weight, epsilon):
 def rotary_embedding(positions, query, key, cos_sin_cache):
     """Rotate the first ``rotary_dim`` features of each head (GPT-NeoX halves) in place."""
     checks.check_rotary_embedding_args(positions, query, key, cos_sin_cache)
+    checks.check_rotary_embedding_values(positions, cos_sin_cache)
     rotary_dim = cos_sin_cache.shape[1]
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2]
     for tensor in (query, key):

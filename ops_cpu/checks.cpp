@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <limits>
+
 namespace neo_cpu {
 
 void check_cache_layout(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -14,6 +17,8 @@ void check_cache_layout(const char* op, const at::Tensor& k_cache, const at::Ten
                       k_cache.scalar_type());
     TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "neo.", op,
                       ": k_cache and v_cache must be contiguous");
+    TORCH_CHECK_VALUE(k_cache.size(1) >= 1, "neo.", op, ": k_cache must have num_kv_heads >= 1, "
+                      "got ", k_cache.size(1));
     const int64_t block_size = k_cache.size(2);
     TORCH_CHECK_VALUE(block_size >= kMinBlockSize && block_size <= kMaxBlockSize &&
                           (block_size & (block_size - 1)) == 0,
@@ -23,6 +28,17 @@ void check_cache_layout(const char* op, const at::Tensor& k_cache, const at::Ten
     TORCH_CHECK_VALUE(head_dim % 16 == 0 && head_dim > 0 && head_dim <= kMaxHeadDim, "neo.", op,
                       ": head_dim must be a multiple of 16 up to ", kMaxHeadDim, ", got ",
                       head_dim);
+}
+
+void check_float_dtype(const char* op, const char* name, const at::Tensor& tensor) {
+    const auto dtype = tensor.scalar_type();
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "neo.",
+                      op, ": ", name, " dtype must be float32, float16 or bfloat16, got ", dtype);
+}
+
+void check_float32_scalar(const char* op, const char* name, double value) {
+    TORCH_CHECK_VALUE(std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max(),
+                      "neo.", op, ": ", name, " must be a finite float32 value, got ", value);
 }
 
 void check_on_cpu(const char* op,

@@ -23,11 +23,10 @@ constexpr const char* kOp = "paged_decode_attention";
 
 void check_arguments(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
-                     const at::Tensor& seq_lens) {
+                     const at::Tensor& seq_lens, double scale) {
     check_cache_layout(kOp, k_cache, v_cache);
+    check_float_dtype(kOp, "q", q);
     const auto dtype = q.scalar_type();
-    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                      "neo.", kOp, ": q dtype must be float32, float16 or bfloat16, got ", dtype);
     TORCH_CHECK_VALUE(dtype == k_cache.scalar_type() && dtype == out.scalar_type(), "neo.", kOp,
                       ": q, caches and out must share one dtype, got q ", dtype, ", cache ",
                       k_cache.scalar_type(), ", out ", out.scalar_type());
@@ -42,7 +41,9 @@ void check_arguments(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     const int64_t num_kv_heads = k_cache.size(1);
     TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3), "neo.", kOp, ": q head_dim ", q.size(2),
                       " differs from the cache's ", k_cache.size(3));
-    TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "neo.", kOp,
+    TORCH_CHECK_VALUE(num_heads >= 1, "neo.", kOp, ": q must have num_heads >= 1, got ",
+                      num_heads);
+    TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "neo.", kOp,
                       ": num_heads ", num_heads, " is not a multiple of num_kv_heads ",
                       num_kv_heads);
     TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "neo.",
@@ -56,6 +57,7 @@ void check_arguments(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                       block_table.size(0), " rows for ", num_seqs, " sequences");
     check_on_cpu(kOp, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"out", &out},
                        {"block_table", &block_table}, {"seq_lens", &seq_lens}});
+    check_float32_scalar(kOp, "scale", scale);
 }
 
 // seq_lens: [num_seqs]; block_table: [num_seqs, max_blocks] (both contiguous int32).
@@ -179,7 +181,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale) {
-    check_arguments(out, q, k_cache, v_cache, block_table, seq_lens);
+    check_arguments(out, q, k_cache, v_cache, block_table, seq_lens, scale);
     const at::Tensor table = block_table.contiguous();
     const at::Tensor lengths = seq_lens.contiguous();
     const int64_t num_seqs = q.size(0);
@@ -187,7 +189,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
     const int32_t* table_data = table.data_ptr<int32_t>();
     const int32_t* length_data = lengths.data_ptr<int32_t>();
     check_values(length_data, table_data, num_seqs, max_blocks, k_cache.size(2), k_cache.size(0));
-    if (num_seqs == 0 || q.size(1) == 0) return;
+    if (num_seqs == 0) return;
 
     switch (q.scalar_type()) {
         case at::kFloat:

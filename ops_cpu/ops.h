@@ -16,8 +16,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale);
 
-// key, value: [num_tokens, num_kv_heads, head_dim]; caches as above (any dtype, same as key);
-// slot_mapping: int64 [num_tokens], block * block_size + offset, -1 skips the token.
+// key, value: [num_tokens, num_kv_heads, head_dim]; caches as above (one dtype with key);
+// slot_mapping: int64 [num_tokens], block * block_size + offset (distinct), -1 skips the token.
 void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping);
 

@@ -6,7 +6,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace neo_cpu {
 namespace {
@@ -24,6 +27,7 @@ void check_arguments(const at::Tensor& key, const at::Tensor& value, const at::T
     TORCH_CHECK_VALUE(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), "neo.",
                       kOp, ": key [*, ", key.size(1), ", ", key.size(2), "] does not match the "
                       "cache's num_kv_heads ", k_cache.size(1), " and head_dim ", k_cache.size(3));
+    check_float_dtype(kOp, "key", key);
     TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type() &&
                           key.scalar_type() == k_cache.scalar_type(),
                       "neo.", kOp, ": key, value and caches must share one dtype, got ",
@@ -34,6 +38,30 @@ void check_arguments(const at::Tensor& key, const at::Tensor& value, const at::T
                       slot_mapping.scalar_type(), " ", slot_mapping.sizes());
     check_on_cpu(kOp, {{"key", &key}, {"value", &value}, {"k_cache", &k_cache},
                        {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping}});
+}
+
+// No slot is given to two tokens: the copies run in parallel, so the slot would keep either
+// token's K/V, or a mix of both. Reports the first token (in order) whose slot an earlier token
+// has, as ops/checks.py does.
+void check_distinct_slots(const int64_t* slots, int64_t num_tokens) {
+    std::vector<std::pair<int64_t, int64_t>> stored;  // (slot, token), skipped tokens left out
+    stored.reserve(num_tokens);
+    for (int64_t token = 0; token < num_tokens; token++) {
+        if (slots[token] >= 0) stored.emplace_back(slots[token], token);
+    }
+    std::sort(stored.begin(), stored.end());
+    int64_t repeat = -1;  // the first token whose slot an earlier token has
+    int64_t earlier = -1;
+    for (size_t index = 1, first = 0; index < stored.size(); index++) {
+        if (stored[index].first != stored[first].first) {
+            first = index;
+        } else if (repeat < 0 || stored[index].second < repeat) {
+            repeat = stored[index].second;
+            earlier = stored[first].second;
+        }
+    }
+    TORCH_CHECK_VALUE(repeat < 0, "neo.", kOp, ": slot ", slots[repeat],
+                      " of token ", repeat, " is also the slot of token ", earlier);
 }
 
 }  // namespace
@@ -50,6 +78,7 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                           ": slot ", slot_data[token], " of token ", token, " is outside the "
                           "cache's ", num_slots, " slots");
     }
+    check_distinct_slots(slot_data, num_tokens);
 
     const at::Tensor keys = key.contiguous();
     const at::Tensor values = value.contiguous();

@@ -3,10 +3,17 @@
 // as the CUDA kernel of torch.ops.neo and torch.ops.neo_cuda. The only file including torch.
 //
 // Argument checks mirror ops/checks.py and raise ValueError like it. Values held on the device
-// (block ids, slots, lengths) are not checked, since reading them would synchronize.
+// are not checked, since reading them would synchronize (and is illegal during a CUDA graph
+// capture): paged_decode_attention's block ids and seq_lens, store_kv_cache's slots (in the
+// cache, no slot given to two tokens), prefill_attention's cu_seqlens (start at 0,
+// non-decreasing, end at num_tokens) and the bound max_seqlen >= the longest prompt,
+// rotary_embedding's positions (0 <= position < max_positions). The host-side implementations
+// check those (ops/checks.py, check_*_values); here they are the caller's to get right.
 #include <Python.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -84,6 +91,12 @@ void check_on_device(const char* op, const at::Tensor& reference, const char* re
             reference_name, " on ", reference.device());
 }
 
+// `value` is finite and representable in float32 (the kernels compute in float32).
+void check_float32_scalar(const char* op, const char* name, double value) {
+  NEO_CHECK(std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max(), op,
+            name, " must be a finite float32 value, got ", value);
+}
+
 bool is_aligned_16(const at::Tensor& tensor) {
   return reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0;
 }
@@ -112,6 +125,8 @@ void check_cache_layout(const char* op, const at::Tensor& k_cache, const at::Ten
             v_cache.scalar_type(), " differs from k_cache dtype ", k_cache.scalar_type());
   NEO_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op,
             "k_cache and v_cache must be contiguous");
+  NEO_CHECK(k_cache.size(1) >= 1, op, "k_cache must have num_kv_heads >= 1, got ",
+            k_cache.size(1));
   const int64_t block_size = k_cache.size(2);
   NEO_CHECK(block_size >= kMinBlockSize && block_size <= kMaxBlockSize &&
                 (block_size & (block_size - 1)) == 0,
@@ -144,7 +159,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t block_size = k_cache.size(2);
   NEO_CHECK(head_dim == k_cache.size(3), op, "q head_dim ", head_dim, " differs from the cache's ",
             k_cache.size(3));
-  NEO_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, "num_heads ", num_heads,
+  NEO_CHECK(num_heads >= 1, op, "q must have num_heads >= 1, got ", num_heads);
+  NEO_CHECK(num_heads % num_kv_heads == 0, op, "num_heads ", num_heads,
             " is not a multiple of num_kv_heads ", num_kv_heads);
   NEO_CHECK(num_heads <= kMaxGridDimension, op, "num_heads ", num_heads, " exceeds ",
             kMaxGridDimension);
@@ -163,6 +179,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   check_on_device(op, q, "q", out, "out");
   check_on_device(op, q, "q", block_table, "block_table");
   check_on_device(op, q, "q", seq_lens, "seq_lens");
+  check_float32_scalar(op, "scale", scale);
   if (num_seqs == 0) return;
   NEO_CHECK(is_aligned_16(q) && is_aligned_16(out) && is_aligned_16(k_cache) &&
                 is_aligned_16(v_cache),
@@ -227,10 +244,10 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   NEO_CHECK(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), op, "key [*, ",
             key.size(1), ", ", key.size(2), "] does not match the cache's num_kv_heads ",
             k_cache.size(1), " and head_dim ", k_cache.size(3));
+  const DataType dtype = data_type_of(key, op, "key");
   NEO_CHECK(key.scalar_type() == value.scalar_type() && key.scalar_type() == k_cache.scalar_type(),
             op, "key, value and caches must share one dtype, got ", key.scalar_type(), ", ",
             value.scalar_type(), ", ", k_cache.scalar_type());
-  const DataType dtype = data_type_of(key, op, "key");
   const int64_t num_tokens = key.size(0);
   NEO_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                 slot_mapping.size(0) == num_tokens,
@@ -301,6 +318,12 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
               destination_block, " in row ", row, " is outside the ", dst.size(0),
               " blocks of dst");
   }
+  // A dst block written by two rows would take whichever copy runs last.
+  std::unordered_set<int64_t> destinations;
+  for (int64_t row = 0; row < num_pairs; ++row) {
+    NEO_CHECK(destinations.insert(pairs[2 * row + 1]).second, op, "dst block ",
+              pairs[2 * row + 1], " in row ", row, " is already written by an earlier row");
+  }
   if (num_pairs == 0) return;
   if (src.data_ptr() == dst.data_ptr()) {
     // Copies within one tensor run in mapping order, so a block must not be both read and
@@ -346,26 +369,35 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
             q.sizes());
   NEO_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), op,
             "q, k and v must share num_tokens and head_dim");
-  NEO_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, "num_heads ", q.size(1),
+  NEO_CHECK(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, op, "head_dim must be from 1 to ",
+            kMaxHeadDim, ", got ", q.size(2));
+  NEO_CHECK(k.size(1) >= 1, op, "k and v must have num_kv_heads >= 1, got ", k.size(1));
+  NEO_CHECK(q.size(1) >= 1, op, "q must have num_heads >= 1, got ", q.size(1));
+  NEO_CHECK(q.size(1) % k.size(1) == 0, op, "num_heads ", q.size(1),
             " is not a multiple of num_kv_heads ", k.size(1));
+  const DataType dtype = data_type_of(q, op, "q");
   NEO_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                 q.scalar_type() == out.scalar_type(),
-            op, "q, k, v and out must share a dtype");
+            op, "q, k, v and out must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+            ", ", v.scalar_type(), ", ", out.scalar_type());
   NEO_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 &&
                 cu_seqlens.numel() >= 1,
             op, "cu_seqlens must be int32 [num_seqs + 1], got ", cu_seqlens.scalar_type(), " ",
             cu_seqlens.sizes());
-  const DataType dtype = data_type_of(q, op, "q");
+  const int64_t num_tokens = q.size(0);
+  const int64_t head_dim = q.size(2);
+  NEO_CHECK(num_tokens == 0 || cu_seqlens.numel() >= 2, op, "cu_seqlens ", cu_seqlens.sizes(),
+            " holds no prompt for ", num_tokens, " tokens");
+  const int64_t min_seqlen = num_tokens == 0 ? 0 : 1;
+  NEO_CHECK(max_seqlen >= min_seqlen, op, "max_seqlen must be >= ", min_seqlen, " with ",
+            num_tokens, " tokens, got ", max_seqlen);
   NEO_CHECK(q.is_cuda(), op, "q is on ", q.device(), "; this kernel needs CUDA tensors");
   check_on_device(op, q, "q", k, "k");
   check_on_device(op, q, "q", v, "v");
   check_on_device(op, q, "q", out, "out");
   check_on_device(op, q, "q", cu_seqlens, "cu_seqlens");
-  const int64_t num_tokens = q.size(0);
-  const int64_t head_dim = q.size(2);
+  check_float32_scalar(op, "scale", scale);
   if (num_tokens == 0) return;
-  NEO_CHECK(max_seqlen >= 1, op, "max_seqlen must be >= 1 when there are tokens, got ",
-            max_seqlen);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   const at::Tensor queries = with_contiguous_rows(q);
@@ -400,7 +432,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 
 // Checks shared by rms_norm and fused_add_rms_norm; returns the weight's DataType.
 DataType check_rms_norm(const char* op, const at::Tensor& input, const at::Tensor& weight,
-                        const at::Tensor& other, const char* other_name) {
+                        const at::Tensor& other, const char* other_name, double epsilon) {
   NEO_CHECK(input.dim() == 2 && weight.dim() == 1 && weight.size(0) == input.size(1), op,
             "input must be [num_tokens, hidden] and weight [hidden], got ", input.sizes(), " and ",
             weight.sizes());
@@ -415,6 +447,8 @@ DataType check_rms_norm(const char* op, const at::Tensor& input, const at::Tenso
             "; this kernel needs CUDA tensors");
   check_on_device(op, input, "input", weight, "weight");
   check_on_device(op, input, "input", other, other_name);
+  check_float32_scalar(op, "epsilon", epsilon);
+  NEO_CHECK(epsilon > 0, op, "epsilon must be > 0, got ", epsilon);
   return weight.scalar_type() == at::kFloat ? DataType::Float32
                                             : data_type_of(weight, op, "weight");
 }
@@ -433,7 +467,7 @@ bool rows_allow_vectors(int64_t hidden, std::initializer_list<const at::Tensor*>
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
               double epsilon) {
   const char* op = "rms_norm";
-  const DataType weight_dtype = check_rms_norm(op, input, weight, out, "out");
+  const DataType weight_dtype = check_rms_norm(op, input, weight, out, "out", epsilon);
   const DataType dtype = data_type_of(input, op, "input");
   const int64_t num_tokens = input.size(0);
   const int64_t hidden = input.size(1);
@@ -455,7 +489,8 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double epsilon) {
   const char* op = "fused_add_rms_norm";
-  const DataType weight_dtype = check_rms_norm(op, input, weight, residual, "residual");
+  const DataType weight_dtype =
+      check_rms_norm(op, input, weight, residual, "residual", epsilon);
   const DataType dtype = data_type_of(input, op, "input");
   const int64_t num_tokens = input.size(0);
   const int64_t hidden = input.size(1);
