@@ -11,10 +11,10 @@ paged_decode_attention
     ``[S, max_blocks_per_seq]``; seq_lens int32 ``[S]`` (tokens already in the cache, >= 1).
 store_kv_cache
     key, value ``[T, KVH, D]``; k_cache, v_cache ``[B, KVH, BS, D]``; slot_mapping int64 ``[T]``
-    (``block * BS + offset``; -1 skips the token).
+    (``block * BS + offset``; -1 skips the token; no slot twice); the caches are floating point.
 swap_blocks
     src, dst ``[B, ...]`` (one layer's K or V cache, any devices); block_mapping int64 ``[n, 2]``
-    of (src_block, dst_block).
+    of (src_block, dst_block); no destination block twice.
 prefill_attention
     out, q ``[T, H, D]``; k, v ``[T, KVH, D]``; cu_seqlens int32 ``[S + 1]`` (packed prompts);
     max_seqlen the longest prompt; causal mask within each prompt.
