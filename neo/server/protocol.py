@@ -14,15 +14,17 @@ from neo.sampling_params import SamplingParams
 
 
 class ProtocolError(ValueError):
-    """A request the server cannot serve: ``status`` (400, or 404 for an unknown model),
-    ``param`` (the offending field) and ``code`` go into the error response."""
+    """A request the server cannot serve: ``status`` (a 4xx), ``param`` (the offending field)
+    and ``code`` go into the error response; ``close_connection`` ends the connection after
+    it (the request's body was not read to its end)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None):
+                 code: str | None = None, close_connection: bool = False):
         super().__init__(message)
         self.param = param
         self.status = status
         self.code = code
+        self.close_connection = close_connection
 
 
 class _Strict(BaseModel):
@@ -75,20 +77,35 @@ class _SamplingFields(_Strict):
                                 "stream_options")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message."""
+        """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message and
+        the field it refuses."""
         max_tokens = self.requested_max_tokens()
+        values = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                      temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                      seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
+                      stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                      ignore_eos=self.ignore_eos)
         try:
-            return SamplingParams(
-                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
-                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                ignore_eos=self.ignore_eos)
+            return SamplingParams(**values)
         except ValueError as error:
-            raise ProtocolError(str(error)) from None
+            raise ProtocolError(str(error), self._refused_field(values)) from None
+
+    def _refused_field(self, values: dict) -> str | None:
+        """The request field of the first value ``SamplingParams`` refuses on its own (None
+        when only a combination is refused)."""
+        for name, value in values.items():
+            try:
+                SamplingParams(**{name: value})
+            except ValueError:
+                return self.max_tokens_field() if name == "max_tokens" else name
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The name of the field that set ``requested_max_tokens``."""
+        return "max_tokens"
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -177,6 +194,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_tokens is None else "max_tokens"
 
 
 def parse_request(model: type[_SamplingFields], body: object) -> _SamplingFields:

@@ -1,14 +1,18 @@
 """Completions and chat completions: from a validated request to a JSON or SSE response.
 
-Text prompts are tokenized here, on the event loop, so the engine thread only sees token ids
-and the server knows the prompt length for ``usage`` and default ``max_tokens``. The
-response waits for the first output before it starts: a rejected request then still gets
-its 400, and a client that leaves while its request is queued aborts it.
+Text prompts are tokenized here, so the engine thread only sees token ids and the server knows
+the prompt length for ``usage`` and default ``max_tokens``. Rendering the chat template and
+tokenizing run on a small pool of threads, never on the event loop, and a text too long in
+bytes to fit the model's context in any tokenization is refused before either. The response
+waits for the first output before it starts: a rejected request then still gets its 400, and
+a client that leaves while its request is queued aborts it.
 """
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from jinja2.exceptions import TemplateError
 from starlette.responses import JSONResponse, Response
@@ -39,15 +43,21 @@ logger = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # What a response is sent with after the client left (nginx's "client closed request").
 CLIENT_CLOSED_STATUS = 499
+# Threads that render chat templates and tokenize prompts: at most this many prompts take CPU
+# from the engine thread and the event loop at once; the others wait their turn.
+PROMPT_THREADS = 2
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, close_connection: bool = False) -> JSONResponse:
+    """An error in OpenAI's shape; ``close_connection`` adds ``Connection: close``."""
     if status < 500:
         kind = "invalid_request_error"
     else:
         kind = "service_unavailable_error" if status == 503 else "server_error"
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    headers = {"connection": "close"} if close_connection else None
+    return JSONResponse(error_body(message, kind, param, code), status_code=status,
+                        headers=headers)
 
 
 class OpenAIServing:
@@ -61,11 +71,21 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = async_engine.engine.tokenizer
         self.max_model_len = async_engine.engine.max_model_len
+        # A text of more bytes than this encodes to more tokens than the context holds.
+        bytes_per_token = (self.tokenizer.max_text_bytes_per_token
+                           if self.tokenizer is not None else None)
+        self.max_prompt_text_bytes = (None if bytes_per_token is None
+                                      else bytes_per_token * self.max_model_len)
+        self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="neo-prompt")
+
+    def close(self) -> None:
+        """Stop the prompt threads (a prompt being tokenized is finished first)."""
+        self.prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     async def completion(self, request: CompletionRequest, receive) -> Response:
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = self._encode(prompt, add_special_tokens=True)
+            prompt_ids = await self._in_prompt_pool(self._encode, prompt, "prompt", True)
         else:
             prompt_ids = list(prompt)
         shape = ResponseShape(f"cmpl-{uuid.uuid4().hex}", self.model_name, chat=False,
@@ -77,12 +97,7 @@ class OpenAIServing:
             raise ProtocolError(f"model {self.model_name!r} has no tokenizer, so it has no chat "
                                 f"template: use /v1/completions with token id prompts", "messages")
         messages = [message.as_template_message() for message in request.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except TemplateError as error:
-            raise ProtocolError(f"the chat template rejected the messages: {error}",
-                                "messages") from None
-        prompt_ids = self._encode(text, add_special_tokens=False)
+        prompt_ids = await self._in_prompt_pool(self._chat_prompt_ids, messages)
         shape = ResponseShape(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, chat=True,
                               return_token_ids=request.return_token_ids)
         default_max_tokens = max(1, self.max_model_len - len(prompt_ids))
@@ -94,10 +109,31 @@ class OpenAIServing:
             raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
                                 f"{self.model_name!r}", "model", status=404, code="model_not_found")
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def _in_prompt_pool(self, function, *arguments):
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, function,
+                                                                *arguments)
+
+    def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Render and tokenize a chat (on a prompt thread)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except TemplateError as error:
+            raise ProtocolError(f"the chat template rejected the messages: {error}",
+                                "messages") from None
+        return self._encode(text, "messages", add_special_tokens=False)
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a prompt text (on a prompt thread); ``field`` names it in errors."""
         if self.tokenizer is None:
             raise ProtocolError(f"model {self.model_name!r} has no tokenizer: pass the prompt "
-                                f"as a list of token ids", "prompt")
+                                f"as a list of token ids", field)
+        limit = self.max_prompt_text_bytes
+        if limit is not None and (len(text) > limit or len(text.encode()) > limit):
+            raise ProtocolError(
+                f"the prompt text of {len(text.encode())} bytes can never fit the model's "
+                f"context of {self.max_model_len} tokens: no token of this tokenizer stands "
+                f"for more than {limit // self.max_model_len} bytes, so at most {limit} bytes "
+                f"fit", field)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _serve(self, request, prompt_ids: list[int], default_max_tokens: int,
