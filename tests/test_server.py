@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -188,6 +189,30 @@ def test_chat_completion_uses_the_chat_template(tiny_server, reference_llm):
              for message in messages]
     again = post(tiny_server, "/v1/chat/completions", body | {"messages": parts}).json()
     assert again["choices"][0]["message"]["content"] == expected.outputs[0].text
+
+
+def test_requests_are_prepared_off_the_event_loop(tiny_server):
+    """The chat template is rendered and prompts are tokenized on the server's preparing
+    threads, never on the event loop's."""
+    tokenizer = tiny_server.async_engine.engine.tokenizer
+    threads = []
+
+    def recorded(method):
+        def call(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return call
+
+    tokenizer.encode = recorded(tokenizer.encode)
+    tokenizer.apply_chat_template = recorded(tokenizer.apply_chat_template)
+    try:
+        text = post(tiny_server, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})
+        chat = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2})
+    finally:
+        del tokenizer.encode, tokenizer.apply_chat_template
+    assert text.status_code == chat.status_code == 200
+    assert len(threads) == 3 and all(name.startswith("neo-prepare") for name in threads), threads
 
 
 def test_neo_policy_streams_from_the_host_pool(seed, tokenless_server, reference_llm):

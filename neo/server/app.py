@@ -28,14 +28,8 @@ from neo.engine import LLMEngine
 from . import prometheus
 from .async_engine import AsyncEngine
 from .auth import ApiKeyMiddleware
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ProtocolError,
-    model_card,
-    parse_request,
-)
-from .request_body import decode_json, declared_length, read_body
+from .protocol import ProtocolError, model_card
+from .request_body import BodyDiscardingResponse, BodyTooLarge, declared_length, read_body
 from .serving import CLIENT_CLOSED_STATUS, OpenAIServing, error_response
 from .settings import ServerSettings
 from .streaming import ClientDisconnected
@@ -76,22 +70,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
-    async def read_json(request: Request) -> object:
-        body = await read_body(request.receive, declared_length(request.headers), max_body_bytes,
-                               settings.body_read_timeout_seconds)
-        return decode_json(body)
+    async def read_request_body(request: Request) -> bytes:
+        return await read_body(request.receive, declared_length(request.headers),
+                               max_body_bytes, settings.body_read_timeout_seconds)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await read_json(request))
-        serving.check_model(body)
-        return await serving.completion(body, request.receive)
+        return await serving.completion(await read_request_body(request), request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await read_json(request))
-        serving.check_model(body)
-        return await serving.chat_completion(body, request.receive)
+        return await serving.chat_completion(await read_request_body(request),
+                                             request.receive)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -113,6 +103,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         logger.debug("refused a request (%d): %s", error.status, error)
         return error_response(error.status, str(error), error.param, error.code,
                               close_connection=error.close_connection)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_request: Request, error: BodyTooLarge) -> BodyDiscardingResponse:
+        logger.debug("refused a request (413): %s", error)
+        return BodyDiscardingResponse(
+            error_response(413, str(error), close_connection=True),
+            settings.body_read_timeout_seconds)
 
     @app.exception_handler(ClientDisconnected)
     async def client_disconnected(_request: Request, _error: ClientDisconnected) -> Response:

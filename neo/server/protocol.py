@@ -207,18 +207,36 @@ def parse_request(model: type[_SamplingFields], body: object) -> _SamplingFields
         request = model.model_validate(body)
     except ValidationError as error:
         problems = []
+        fields = []
         for problem in error.errors():
-            field = ".".join(str(part) for part in problem["loc"])
+            field = _field_path(body, problem["loc"], missing=problem["type"] == "missing")
+            fields.append(field)
             if problem["type"] == "extra_forbidden":
                 problems.append(f"unknown field '{field}'")
             elif problem["type"] == "missing":
                 problems.append(f"missing field '{field}'")
             else:
                 problems.append(f"field '{field}': {problem['msg']}")
-        first = ".".join(str(part) for part in error.errors()[0]["loc"])
-        raise ProtocolError("; ".join(problems), first) from None
+        raise ProtocolError("; ".join(dict.fromkeys(problems)), fields[0]) from None
     request.check()
     return request
+
+
+def _field_path(body: dict, location: tuple, missing: bool) -> str:
+    """The dotted path of the field a validation error is about (``messages.0.content``):
+    pydantic's location with the names of union members it tried (``str``, ``list[int]``)
+    left out, found by following the location through the body (``missing``: the last part
+    names a field the body lacks)."""
+    parts = []
+    value = body
+    for index, part in enumerate(location):
+        if isinstance(value, dict) and (part in value or missing and index == len(location) - 1):
+            parts.append(part)
+            value = value.get(part)
+        elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+            parts.append(str(part))
+            value = value[part]
+    return ".".join(parts)
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 A body is read chunk by chunk as the client sends it, so a body over the size limit is refused
 once the limit is crossed (or at once, from its ``Content-Length``) without being held in
 memory, and a client that stops sending before the body is complete is answered 408 when the
-read deadline passes. Both answers close the connection: the rest of the body is not read.
+read deadline passes. Both answers close the connection. After a 413 the rest of the body is
+first read and thrown away, within bounds (``BodyDiscardingResponse``): closing a connection
+with received bytes unread resets it, and the reset can destroy the response before a client
+that is still sending its body reads it.
 
 Decoding refuses what Python's ``json`` accepts but no string or value of a request can use:
 lone UTF-16 surrogates (``"\\ud800"`` decodes to a ``str`` that cannot be encoded as UTF-8, so
@@ -15,14 +18,26 @@ import asyncio
 import json
 import re
 
-from starlette.types import Receive
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from .protocol import ProtocolError
 from .streaming import ClientDisconnected
 
 # A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF); bodies without one cannot decode to a
-# string holding a lone surrogate (raw UTF-8 cannot encode surrogates at all).
+# string holding a lone surrogate (strict UTF-8 decoding refuses encoded surrogates).
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# At most this much of the rest of a body over the limit is read and thrown away after the
+# 413 (the time is bounded by the body read timeout): thrown-away bytes cost the event loop a
+# few microseconds per 64 KiB, and a client sending more than this gets its connection closed.
+MAX_DISCARDED_BYTES = 64 * 2**20
+
+
+class BodyTooLarge(ProtocolError):
+    """A 413: the request body exceeds the server's limit."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=413, close_connection=True)
 
 
 def declared_length(headers) -> int | None:
@@ -68,18 +83,54 @@ async def _read_chunks(receive: Receive, chunks: list[bytes], max_bytes: int) ->
             return
 
 
-def _too_large(detail: str, max_bytes: int) -> ProtocolError:
-    return ProtocolError(f"the request body exceeds the limit of {max_bytes} bytes (the "
-                         f"server's max_request_body_bytes): {detail}", status=413,
-                         close_connection=True)
+def _too_large(detail: str, max_bytes: int) -> BodyTooLarge:
+    return BodyTooLarge(f"the request body exceeds the limit of {max_bytes} bytes (the "
+                        f"server's max_request_body_bytes): {detail}")
+
+
+class BodyDiscardingResponse:
+    """Sends ``response`` (which must close the connection) at once, then reads and throws
+    away the rest of the request body, up to ``MAX_DISCARDED_BYTES`` and for at most
+    ``timeout_seconds``, before ending the response; the connection closes then. A client
+    waiting for ``100 Continue`` has sent no body: nothing is read (reading would invite it)."""
+
+    def __init__(self, response: Response, timeout_seconds: float):
+        self.response = response
+        self.timeout_seconds = timeout_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.response.status_code,
+                    "headers": self.response.raw_headers})
+        await send({"type": "http.response.body", "body": self.response.body,
+                    "more_body": True})
+        if (b"expect", b"100-continue") not in _lowered(scope["headers"]):
+            try:
+                await asyncio.wait_for(_discard_body(receive), self.timeout_seconds)
+            except asyncio.TimeoutError:
+                pass
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _lowered(headers: list[tuple[bytes, bytes]]) -> set[tuple[bytes, bytes]]:
+    return {(name.lower(), value.lower()) for name, value in headers}
+
+
+async def _discard_body(receive: Receive) -> None:
+    discarded = 0
+    while discarded <= MAX_DISCARDED_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        discarded += len(message.get("body", b""))
 
 
 def decode_json(body: bytes) -> object:
-    """The decoded body; raises a 400 ``ProtocolError`` for invalid JSON (syntax, encoding,
-    integers beyond Python's digit limit, nesting past the recursion limit) and for a string
-    holding a lone surrogate, naming its field."""
+    """The decoded body; raises a 400 ``ProtocolError`` for invalid JSON (syntax, anything but
+    strict UTF-8, integers beyond Python's digit limit, nesting past the recursion limit) and
+    for a string holding a lone surrogate, naming its field. (``json.loads`` of bytes would
+    also take UTF-16 and UTF-32, and UTF-8-encoded surrogates.)"""
     try:
-        value = json.loads(body)
+        value = json.loads(body.decode())
     except RecursionError:
         raise ProtocolError("the request body is not valid JSON: it nests arrays or objects "
                             "deeper than the server decodes") from None
