@@ -29,7 +29,7 @@ from . import prometheus
 from .async_engine import AsyncEngine
 from .auth import ApiKeyMiddleware
 from .protocol import ProtocolError, model_card
-from .request_body import BodyDiscardingResponse, BodyTooLarge, declared_length, read_body
+from .request_body import UnreadBodyMiddleware, declared_length, read_body
 from .serving import CLIENT_CLOSED_STATUS, OpenAIServing, error_response
 from .settings import ServerSettings
 from .streaming import ClientDisconnected
@@ -69,6 +69,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app = FastAPI(title="neo", lifespan=lifespan)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    # Added last, so it wraps the key check too: a 401 also settles the unread body.
+    app.add_middleware(UnreadBodyMiddleware, timeout_seconds=settings.body_read_timeout_seconds)
 
     async def read_request_body(request: Request) -> bytes:
         return await read_body(request.receive, declared_length(request.headers),
@@ -101,15 +103,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.exception_handler(ProtocolError)
     async def protocol_error(_request: Request, error: ProtocolError) -> Response:
         logger.debug("refused a request (%d): %s", error.status, error)
-        return error_response(error.status, str(error), error.param, error.code,
-                              close_connection=error.close_connection)
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(_request: Request, error: BodyTooLarge) -> BodyDiscardingResponse:
-        logger.debug("refused a request (413): %s", error)
-        return BodyDiscardingResponse(
-            error_response(413, str(error), close_connection=True),
-            settings.body_read_timeout_seconds)
+        return error_response(error.status, str(error), error.param, error.code)
 
     @app.exception_handler(ClientDisconnected)
     async def client_disconnected(_request: Request, _error: ClientDisconnected) -> Response:

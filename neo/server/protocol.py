@@ -15,16 +15,14 @@ from neo.sampling_params import SamplingParams
 
 class ProtocolError(ValueError):
     """A request the server cannot serve: ``status`` (a 4xx), ``param`` (the offending field)
-    and ``code`` go into the error response; ``close_connection`` ends the connection after
-    it (the request's body was not read to its end)."""
+    and ``code`` go into the error response."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, close_connection: bool = False):
+                 code: str | None = None):
         super().__init__(message)
         self.param = param
         self.status = status
         self.code = code
-        self.close_connection = close_connection
 
 
 class _Strict(BaseModel):

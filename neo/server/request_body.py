@@ -1,12 +1,16 @@
 """Reading and decoding a request body within the server's limits.
 
 A body is read chunk by chunk as the client sends it, so a body over the size limit is refused
-once the limit is crossed (or at once, from its ``Content-Length``) without being held in
-memory, and a client that stops sending before the body is complete is answered 408 when the
-read deadline passes. Both answers close the connection. After a 413 the rest of the body is
-first read and thrown away, within bounds (``BodyDiscardingResponse``): closing a connection
-with received bytes unread resets it, and the reset can destroy the response before a client
-that is still sending its body reads it.
+with 413 once the limit is crossed (or at once, from its ``Content-Length``) without being held
+in memory, and a client that stops sending before the body is complete is answered 408 when
+the read deadline passes.
+
+Whenever a response is ready before its request's body was read to its end (413, 408, a 401
+from ``ApiKeyMiddleware``, an unknown route), ``UnreadBodyMiddleware`` first reads and throws
+away the rest of the body within bounds, then sends the response and closes the connection:
+closing a connection with received bytes unread resets it, and the reset can destroy the
+response before a client that is still sending its body reads it; left alone, the HTTP server
+would read and drop such a body for as long as the client sends it.
 
 Decoding refuses what Python's ``json`` accepts but no string or value of a request can use:
 lone UTF-16 surrogates (``"\\ud800"`` decodes to a ``str`` that cannot be encoded as UTF-8, so
@@ -18,8 +22,7 @@ import asyncio
 import json
 import re
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .protocol import ProtocolError
 from .streaming import ClientDisconnected
@@ -27,23 +30,16 @@ from .streaming import ClientDisconnected
 # A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF); bodies without one cannot decode to a
 # string holding a lone surrogate (strict UTF-8 decoding refuses encoded surrogates).
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-# At most this much of the rest of a body over the limit is read and thrown away after the
-# 413 (the time is bounded by the body read timeout): thrown-away bytes cost the event loop a
-# few microseconds per 64 KiB, and a client sending more than this gets its connection closed.
+# At most this much of an unread body is read and thrown away before its connection closes:
+# it costs the event loop one receive per chunk and no memory; a client sending more than this
+# (or for longer than the body read timeout) has its connection closed with the bytes unread.
 MAX_DISCARDED_BYTES = 64 * 2**20
-
-
-class BodyTooLarge(ProtocolError):
-    """A 413: the request body exceeds the server's limit."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=413, close_connection=True)
 
 
 def declared_length(headers) -> int | None:
     """The ``Content-Length`` of a request (the HTTP parser has checked its syntax)."""
     value = headers.get("content-length")
-    return int(value) if value is not None and value.isdigit() else None
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
 
 async def read_body(receive: Receive, declared: int | None, max_bytes: int,
@@ -52,8 +48,8 @@ async def read_body(receive: Receive, declared: int | None, max_bytes: int,
     ``timeout_seconds``.
 
     Raises ``ProtocolError`` 413 when the declared or received length exceeds ``max_bytes``,
-    408 when the body is not complete ``timeout_seconds`` after the read started (both close
-    the connection), and ``ClientDisconnected`` when the client leaves first.
+    408 when the body is not complete ``timeout_seconds`` after the read started, and
+    ``ClientDisconnected`` when the client leaves first.
     """
     if declared is not None and declared > max_bytes:
         raise _too_large(f"its Content-Length is {declared}", max_bytes)
@@ -63,7 +59,7 @@ async def read_body(receive: Receive, declared: int | None, max_bytes: int,
     except asyncio.TimeoutError:
         raise ProtocolError(f"the request body was not complete within {timeout_seconds:g} s "
                             f"(the server's body read timeout; {sum(map(len, chunks))} bytes "
-                            f"arrived)", status=408, close_connection=True) from None
+                            f"arrived)", status=408) from None
     return b"".join(chunks)
 
 
@@ -83,43 +79,68 @@ async def _read_chunks(receive: Receive, chunks: list[bytes], max_bytes: int) ->
             return
 
 
-def _too_large(detail: str, max_bytes: int) -> BodyTooLarge:
-    return BodyTooLarge(f"the request body exceeds the limit of {max_bytes} bytes (the "
-                        f"server's max_request_body_bytes): {detail}")
+def _too_large(detail: str, max_bytes: int) -> ProtocolError:
+    return ProtocolError(f"the request body exceeds the limit of {max_bytes} bytes (the "
+                         f"server's max_request_body_bytes): {detail}", status=413)
 
 
-class BodyDiscardingResponse:
-    """Sends ``response`` (which must close the connection) at once, then reads and throws
-    away the rest of the request body, up to ``MAX_DISCARDED_BYTES`` and for at most
-    ``timeout_seconds``, before ending the response; the connection closes then. A client
-    waiting for ``100 Continue`` has sent no body: nothing is read (reading would invite it)."""
+class UnreadBodyMiddleware:
+    """ASGI middleware for responses sent before their request's body was read to its end:
+    it holds the response back, reads and throws away the rest of the body (up to
+    ``MAX_DISCARDED_BYTES``, until ``timeout_seconds`` after the request arrived), then sends
+    the response with ``Connection: close``. (Sending first and discarding after would leave
+    the HTTP server mid-response while it parses the client's body; uvicorn fails with a
+    traceback when that body turns out malformed.) A client waiting for ``100 Continue`` has
+    sent no body: nothing is read from it (reading would invite it)."""
 
-    def __init__(self, response: Response, timeout_seconds: float):
-        self.response = response
+    def __init__(self, app: ASGIApp, timeout_seconds: float):
+        self.app = app
         self.timeout_seconds = timeout_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.response.status_code,
-                    "headers": self.response.raw_headers})
-        await send({"type": "http.response.body", "body": self.response.body,
-                    "more_body": True})
-        if (b"expect", b"100-continue") not in _lowered(scope["headers"]):
-            try:
-                await asyncio.wait_for(_discard_body(receive), self.timeout_seconds)
-            except asyncio.TimeoutError:
-                pass
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        headers = {name.lower(): value for name, value in scope.get("headers", [])}
+        if scope["type"] != "http" or (headers.get(b"content-length", b"0") == b"0"
+                                       and b"transfer-encoding" not in headers):
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_seconds
+        discard = headers.get(b"expect", b"").lower() != b"100-continue"
+        body_read = False
+        held: list[Message] = []  # the response, while the body is unread
 
+        async def tracking_receive() -> Message:
+            nonlocal body_read
+            message = await receive()
+            body_read = message["type"] == "http.disconnect" or not message.get("more_body")
+            return message
 
-def _lowered(headers: list[tuple[bytes, bytes]]) -> set[tuple[bytes, bytes]]:
-    return {(name.lower(), value.lower()) for name, value in headers}
+        async def guarding_send(message: Message) -> None:
+            if body_read and not held:
+                await send(message)
+                return
+            if message["type"] == "http.response.start":
+                kept = [(name, value) for name, value in message.get("headers", [])
+                        if name.lower() != b"connection"]
+                message = message | {"headers": kept + [(b"connection", b"close")]}
+            held.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                if discard and not body_read:
+                    try:
+                        await asyncio.wait_for(_discard_body(tracking_receive),
+                                               deadline - asyncio.get_running_loop().time())
+                    except asyncio.TimeoutError:
+                        pass
+                for held_message in held:
+                    await send(held_message)
+
+        await self.app(scope, tracking_receive, guarding_send)
 
 
 async def _discard_body(receive: Receive) -> None:
     discarded = 0
     while discarded <= MAX_DISCARDED_BYTES:
         message = await receive()
-        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+        if message["type"] == "http.disconnect" or not message.get("more_body"):
             return
         discarded += len(message.get("body", b""))
 

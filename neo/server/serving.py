@@ -53,15 +53,12 @@ PREPARE_THREADS = 2
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, close_connection: bool = False) -> JSONResponse:
-    """An error in OpenAI's shape; ``close_connection`` adds ``Connection: close``."""
+                   code: str | None = None) -> JSONResponse:
     if status < 500:
         kind = "invalid_request_error"
     else:
         kind = "service_unavailable_error" if status == 503 else "server_error"
-    headers = {"connection": "close"} if close_connection else None
-    return JSONResponse(error_body(message, kind, param, code), status_code=status,
-                        headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
 @dataclass

@@ -56,7 +56,8 @@ class ServerSettings:
                              f"{self.max_request_body_bytes!r}")
         for name in ("body_read_timeout_seconds", "keep_alive_timeout_seconds"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < math.inf):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
     def body_limit(self, max_model_len: int) -> int:
