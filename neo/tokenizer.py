@@ -105,8 +105,8 @@ class Tokenizer:
     @functools.cached_property
     def max_text_bytes_per_token(self) -> int | None:
         """The most UTF-8 bytes of input text that one token can stand for, so a text longer
-        than ``n`` times this encodes to more than ``n`` tokens; None when the tokenizer can
-        drop text (then no byte count bounds the token count).
+        than ``n`` times this encodes to more than ``n`` tokens (before any truncation); None
+        when the tokenizer can drop text (then no byte count bounds the token count).
 
         Each token consumes at most its vocabulary entry's bytes of (normalized) text: a
         byte-level entry spells each byte as one character and a SentencePiece entry spells a

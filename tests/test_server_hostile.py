@@ -317,10 +317,10 @@ async def disconnect_mid_body(url: str) -> None:
     await writer.wait_closed()
 
 
-def server_memory_bytes(served, field: str) -> int:
+def server_memory_bytes(served, name: str) -> int:
     """``VmRSS`` (resident now) or ``VmHWM`` (peak since the last ``reset_peak_memory``)."""
     with open(f"/proc/{served.process.pid}/status") as file:
-        line = next(line for line in file if line.startswith(f"{field}:"))
+        line = next(line for line in file if line.startswith(f"{name}:"))
     return int(line.split()[1]) * 1024
 
 
@@ -342,8 +342,9 @@ def assert_error(response: httpx.Response, status: int, message: str,
 
 
 def test_oversized_bodies_are_refused_without_being_held(served, lanes, health_log):
-    """50 MB bodies, with and without a Content-Length, get 413 naming the limit at once and
-    never sit in the server's memory; a body exactly at the limit is served."""
+    """50 MB bodies, with and without a Content-Length, get 413 naming the limit (the rest of
+    each is read only to be thrown away, so it never sits in the server's memory); a body
+    exactly at the limit is served."""
     fifty_megabytes = b'{"prompt": "' + b"a" * 50_000_000 + b'", "max_tokens": 2}'
 
     async def chunked():
@@ -387,9 +388,9 @@ def test_oversized_bodies_are_refused_without_being_held(served, lanes, health_l
 def test_slow_and_abandoned_bodies(served, lanes, health_log):
     """Bodies that never finish (silent, dribbled a byte at a time, an endless chunk) are
     answered 408 once the body read timeout passes, and their connections closed; endless
-    bodies nobody reads (an unknown route, a missing API key) are answered at once and thrown
-    away until that timeout, then their connections closed too. Clients that leave mid-body
-    cost no log line."""
+    bodies nobody reads (an unknown route, a missing API key) are thrown away until that
+    timeout, then answered (404, 401) and their connections closed. Clients that leave
+    mid-body cost no log line."""
     incomplete = request_head(COMPLETIONS, "Content-Length: 1000\r\n") + b'{"prompt": '
     chunked = "Transfer-Encoding: chunked\r\n"
     chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"  # 64 KiB chunks, none of them the last

@@ -96,7 +96,8 @@ class OpenAIServing:
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="neo-prepare")
 
     def close(self) -> None:
-        """Stop the preparing threads (a request being prepared is finished first)."""
+        """Stop the preparing threads: requests being prepared finish, queued ones are
+        dropped."""
         self.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     async def completion(self, body: bytes, receive) -> Response:
