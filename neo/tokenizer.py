@@ -4,6 +4,7 @@ The engine always accepts token ids; a tokenizer is optional (``load_tokenizer``
 when the model has none, e.g. a shipped config used with dummy weights).
 """
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -101,9 +102,38 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_text_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of input text that one token can stand for, so a text longer
+        than ``n`` times this encodes to more than ``n`` tokens (before any truncation); None
+        when the tokenizer can drop text (then no byte count bounds the token count).
+
+        Each token consumes at most its vocabulary entry's bytes of (normalized) text: a
+        byte-level entry spells each byte as one character and a SentencePiece entry spells a
+        space as the 3-byte "\u2581", so an entry is never shorter than the text it covers.
+        Normalization can shrink text, by at most ``NORMALIZER_SHRINK`` for the normalizers
+        in ``_SHRINKING_NORMALIZERS``; anything that deletes text (an unknown normalizer,
+        a pre-tokenizer that drops whitespace, added tokens that strip the whitespace beside
+        them, a model that fuses unknown text into one token) gives None.
+        """
+        spec = json.loads(self.backend.to_str())
+        shrink = _normalizer_shrink(spec.get("normalizer"))
+        if (shrink is None or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer"))
+                or not _model_keeps_text(spec["model"])
+                or any(token.get("lstrip") or token.get("rstrip")
+                       for token in spec.get("added_tokens") or [])):
+            return None
+        vocabulary = self.backend.get_vocab(with_added_tokens=True)
+        return shrink * max(len(token.encode()) for token in vocabulary)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (e.g. BOS).
+
+        Goes through ``encode_batch_fast``: unlike ``encode`` it releases the GIL while it
+        works (so other threads, such as a server's event loop, run meanwhile), and it skips
+        the character offsets nobody here reads.
+        """
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -122,6 +152,52 @@ class Tokenizer:
         return _render_template(self.chat_template, messages=messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+# How many times fewer UTF-8 bytes a normalizer can leave of a text: Unicode normalization maps
+# at most four bytes to one (NFKC turns the 4-byte mathematical "\U0001d400" into "A"; NFC the
+# 3-byte Kelvin sign into "K", three 3-byte Hangul jamo into one syllable) and lowercasing at
+# most three (the Kelvin sign to "k").
+NORMALIZER_SHRINK = 4
+_SHRINKING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+# Pre-tokenizers that split text without dropping any of it ("Split" and "Punctuation" unless
+# their behavior is "Removed").
+_TEXT_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split",
+                                "Punctuation"}
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """The factor by which the normalizer of ``spec`` (tokenizer.json's) can shrink a text in
+    bytes; None when it can delete text."""
+    if spec is None or spec["type"] == "Prepend":
+        return 1
+    if spec["type"] == "Sequence":
+        factor = 1
+        for part in spec["normalizers"]:
+            part_factor = _normalizer_shrink(part)
+            if part_factor is None:
+                return None
+            factor *= part_factor
+        return factor
+    if spec["type"] == "Replace" and "String" in spec["pattern"] and spec["content"]:
+        return -(-len(spec["pattern"]["String"].encode()) // len(spec["content"].encode()))
+    return NORMALIZER_SHRINK if spec["type"] in _SHRINKING_NORMALIZERS else None
+
+
+def _pre_tokenizer_keeps_text(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    if spec["type"] == "Sequence":
+        return all(_pre_tokenizer_keeps_text(part) for part in spec["pretokenizers"])
+    return (spec["type"] in _TEXT_KEEPING_PRE_TOKENIZERS
+            and str(spec.get("behavior", "")).lower() != "removed")
+
+
+def _model_keeps_text(spec: dict) -> bool:
+    """BPE gives every unknown character a token of its own unless it fuses them (byte
+    fallback spells them as bytes instead); other models map whole unknown words to one."""
+    return spec["type"] == "BPE" and (not spec.get("fuse_unk") or spec.get("byte_fallback")
+                                      or spec.get("unk_token") is None)
 
 
 def _render_template(template: str, **variables) -> str:

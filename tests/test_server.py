@@ -8,79 +8,43 @@ server fails the test instead of hanging it.
 """
 
 import asyncio
-import contextlib
 import json
 import math
 import os
 import random
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
-from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo import LLM, SamplingParams
 from neo.models.tiny import save_tiny
-from neo.server.app import build_app
-from neo.server.async_engine import AsyncEngine
 from neo.server.detokenizer import IncrementalDetokenizer
 from neo.server.streaming import sse_event
 from neo.tokenizer import Tokenizer
+from server_harness import (
+    BLOCK_BYTES,
+    HTTP_TIMEOUT,
+    TINY_OPTIONS,
+    TOKENLESS_OPTIONS,
+    LiveServer,
+    StreamResult,
+    client_for,
+    get,
+    live_server,
+    metric,
+    parse_prometheus,
+    post,
+    run,
+    serve_process,
+    stream_request,
+    wait_for_idle,
+)
 
-HTTP_TIMEOUT = httpx.Timeout(60.0)
-TEST_TIMEOUT_SECONDS = 120
-BLOCK_BYTES = 2 * 4 * 2 * 16 * 32 * 4  # neo-tiny float32: K+V, 4 layers, 2 KV heads, 16 x 32
-TINY_OPTIONS = dict(device="cpu", gpu_kv_cache_gib=1024 * BLOCK_BYTES / 2**30,
-                    cpu_kv_cache_gib=256 * BLOCK_BYTES / 2**30)
-TOKENLESS_OPTIONS = dict(device="cpu", policy="neo", perf_model="zero",
-                         gpu_kv_cache_gib=4 * BLOCK_BYTES / 2**30,
-                         cpu_kv_cache_gib=64 * BLOCK_BYTES / 2**30)
-
-
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, TEST_TIMEOUT_SECONDS))
-
-
-# -- servers -------------------------------------------------------------------------------------
-
-
-@dataclass
-class LiveServer:
-    url: str
-    async_engine: AsyncEngine
-    model: str
-
-
-@contextlib.contextmanager
-def live_server(model: str, options: dict):
-    """uvicorn serving ``model`` on a free loopback port, in a thread of this process."""
-    async_engine = AsyncEngine(LLMEngine(EngineConfig(model=model, **options)))
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine), log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.02)
-    try:
-        yield LiveServer(f"http://127.0.0.1:{port}", async_engine, model)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        listener.close()
-        assert not thread.is_alive(), "the test server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -113,122 +77,6 @@ def reference_llm():
 # -- HTTP helpers --------------------------------------------------------------------------------
 
 
-@dataclass
-class StreamResult:
-    status: int
-    chunks: list  # decoded JSON payloads, without [DONE]
-    done: bool  # [DONE] arrived
-    error_body: dict | None = None  # the JSON body of a non-200 response
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [token for chunk in self.chunks for choice in chunk["choices"]
-                for token in choice["token_ids"]]
-
-    @property
-    def text(self) -> str:
-        parts = []
-        for chunk in self.chunks:
-            for choice in chunk["choices"]:
-                parts.append(choice["delta"].get("content", "") if "delta" in choice else choice["text"])
-        return "".join(parts)
-
-    @property
-    def finish_reason(self) -> str | None:
-        reasons = [choice["finish_reason"] for chunk in self.chunks for choice in chunk["choices"]]
-        assert all(reason is None for reason in reasons[:-1]), reasons
-        return reasons[-1]
-
-
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict,
-                         stop_after: int | None = None) -> StreamResult:
-    """POST with ``stream``; reads SSE events strictly (``data: ...`` + blank line). With
-    ``stop_after``, the connection is dropped after that many events."""
-    async with client.stream("POST", path, json=body | {"stream": True}) as response:
-        if response.status_code != 200:
-            return StreamResult(response.status_code, [], False, json.loads(await response.aread()))
-        assert response.headers["content-type"].startswith("text/event-stream")
-        chunks, done, expect_blank = [], False, False
-        async for line in response.aiter_lines():
-            if expect_blank:
-                assert line == "", f"an event must end with a blank line, got {line!r}"
-                expect_blank = False
-                continue
-            assert line.startswith("data: ") and not done, f"unexpected line {line!r}"
-            expect_blank = True
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                done = True
-            else:
-                chunks.append(json.loads(data))
-                if stop_after is not None and len(chunks) >= stop_after:
-                    return StreamResult(200, chunks, False)
-        return StreamResult(200, chunks, done)
-
-
-def client_for(server: LiveServer) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=server.url, timeout=HTTP_TIMEOUT,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-
-
-def get(server: LiveServer, path: str) -> httpx.Response:
-    return httpx.get(server.url + path, timeout=HTTP_TIMEOUT)
-
-
-def post(server: LiveServer, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=HTTP_TIMEOUT)
-
-
-def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
-    """Strict parse of the text exposition format: ``{name: {sorted label items: value}}``.
-
-    Each family has one HELP and one TYPE line before its samples; counters end in _total.
-    """
-    name_pattern = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-    sample = re.compile(rf"^({name_pattern})(?:\{{(.*)\}})? (\S+)$")
-    label = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
-    families: dict[str, dict[tuple, float]] = {}
-    types: dict[str, str] = {}
-    helps: set[str] = set()
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name = line.split(" ")[2]
-            assert re.fullmatch(name_pattern, name) and name not in helps, line
-            helps.add(name)
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert name in helps and name not in types, line
-            assert kind in ("counter", "gauge"), line
-            assert kind != "counter" or name.endswith("_total"), line
-            types[name] = kind
-            families[name] = {}
-        else:
-            match = sample.match(line)
-            assert match, f"not a sample line: {line!r}"
-            name, labels_text, value = match.groups()
-            assert name in types, f"sample before its TYPE line: {line!r}"
-            labels = tuple(sorted(label.findall(labels_text or "")))
-            assert labels not in families[name], f"duplicate sample: {line!r}"
-            families[name][labels] = float(value)
-    return families
-
-
-def metric(families, name: str, **labels) -> float:
-    return families[name][tuple(sorted(labels.items()))]
-
-
-async def wait_for_idle(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
-    """Poll /metrics until no request runs or waits and no KV block is in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        families = parse_prometheus((await client.get("/metrics")).text)
-        busy = (metric(families, "neo_requests_running") + metric(families, "neo_requests_waiting")
-                + sum(families["neo_kv_cache_blocks_used"].values()))
-        if busy == 0:
-            return families
-        assert time.monotonic() < deadline, "the server did not become idle"
-        await asyncio.sleep(0.05)
 
 
 # -- outputs equal LLM.generate ------------------------------------------------------------------
@@ -343,6 +191,30 @@ def test_chat_completion_uses_the_chat_template(tiny_server, reference_llm):
     assert again["choices"][0]["message"]["content"] == expected.outputs[0].text
 
 
+def test_requests_are_prepared_off_the_event_loop(tiny_server):
+    """The chat template is rendered and prompts are tokenized on the server's preparing
+    threads, never on the event loop's."""
+    tokenizer = tiny_server.async_engine.engine.tokenizer
+    threads = []
+
+    def recorded(method):
+        def call(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return call
+
+    tokenizer.encode = recorded(tokenizer.encode)
+    tokenizer.apply_chat_template = recorded(tokenizer.apply_chat_template)
+    try:
+        text = post(tiny_server, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})
+        chat = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2})
+    finally:
+        del tokenizer.encode, tokenizer.apply_chat_template
+    assert text.status_code == chat.status_code == 200
+    assert len(threads) == 3 and all(name.startswith("neo-prepare") for name in threads), threads
+
+
 def test_neo_policy_streams_from_the_host_pool(seed, tokenless_server, reference_llm):
     """Token-id prompts on a model without tokenizer; with a 4-block GPU pool most requests
     decode on the host CPU. Concurrent streams still equal LLM.generate."""
@@ -435,14 +307,23 @@ ERROR_CASES = {
     "wrong-type": (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, 400,
                    "field 'max_tokens'", "max_tokens"),
     "max-tokens-zero": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400,
-                        "max_tokens must be an integer >= 1, got 0", None),
+                        "max_tokens must be an integer >= 1, got 0", "max_tokens"),
+    "max-completion-tokens-zero": (CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                          "max_completion_tokens": 0}, 400,
+                                   "max_tokens must be an integer >= 1, got 0",
+                                   "max_completion_tokens"),
+    "max-tokens-true": (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, 400,
+                        "field 'max_tokens': Input should be a valid integer", "max_tokens"),
     "negative-temperature": (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}, 400,
-                             "temperature must be >= 0", None),
+                             "temperature must be >= 0", "temperature"),
     "top-p-above-one": (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400,
-                        "top_p must be in (0, 1]", None),
-    "bad-top-k": (COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, "top_k must be -1, 0", None),
+                        "top_p must be in (0, 1]", "top_p"),
+    "bad-top-k": (COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, "top_k must be -1, 0",
+                  "top_k"),
     "empty-stop-string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400,
-                          "stop strings must be non-empty", None),
+                          "stop strings must be non-empty", "stop"),
+    "bad-stop-token-id": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [-1]}, 400,
+                          "stop_token_ids must be non-negative", "stop_token_ids"),
     "seed-out-of-range": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400,
                           "seed must fit in 64 bits", "seed"),
     "n-two": (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n must be 1", "n"),
@@ -670,31 +551,11 @@ def test_sse_event_is_one_line_whatever_the_text():
 # -- shutdown ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_shutdown_on_signal_aborts_streams_and_exits(signal_number, tmp_path):
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "neo.cli", "serve", "--device", "cpu", "--port", str(port),
-             "--gpu-kv-cache-gib", "0.01", "--cpu-kv-cache-gib", "0.01"], stdout=log,
-            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with serve_process(["--device", "cpu", "--gpu-kv-cache-gib", "0.01", "--cpu-kv-cache-gib",
+                        "0.01"], tmp_path / "server.log") as served:
+        process, url = served.process, served.url
         body = dict(prompt="hello", max_tokens=3000, temperature=0, ignore_eos=True,
                     stream=True, return_token_ids=True)
         events = []
@@ -710,11 +571,7 @@ def test_shutdown_on_signal_aborts_streams_and_exits(signal_number, tmp_path):
             events += [line[len("data: "):] for line in lines if line.startswith("data: ")]
         returncode = process.wait(timeout=15)
         elapsed = time.monotonic() - sent
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=15)
-    output = log_path.read_text()
+    output = served.log()
     assert elapsed < 5, f"the server took {elapsed:.1f} s to exit"
     assert returncode in (0, -signal_number), output
     assert "Traceback" not in output and "ERROR" not in output, output

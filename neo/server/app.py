@@ -2,7 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``. Every error is returned in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``; a request the client got wrong is
+answered 4xx and logged at most at debug level, so hostile clients cannot flood the log.
+With an API key set, all routes but ``/health`` and ``/metrics`` need it (``auth.py``).
+Request bodies are read within a size limit and a deadline (``request_body.py``).
 
 Shutdown (SIGINT/SIGTERM): the server stops accepting connections and the engine aborts the
 requests in flight, so each open stream ends at once with finish reason "abort"; then the
@@ -10,7 +13,7 @@ engine thread stops and the engine is closed.
 """
 
 import contextlib
-import json
+import logging
 import time
 
 import uvicorn
@@ -24,14 +27,14 @@ from neo.engine import LLMEngine
 
 from . import prometheus
 from .async_engine import AsyncEngine
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ProtocolError,
-    model_card,
-    parse_request,
-)
-from .serving import OpenAIServing, error_response
+from .auth import ApiKeyMiddleware
+from .protocol import ProtocolError, model_card
+from .request_body import UnreadBodyMiddleware, declared_length, read_body
+from .serving import CLIENT_CLOSED_STATUS, OpenAIServing, error_response
+from .settings import ServerSettings
+from .streaming import ClientDisconnected
+
+logger = logging.getLogger(__name__)
 
 # How long uvicorn waits for open connections at shutdown before cancelling them.
 GRACEFUL_SHUTDOWN_SECONDS = 5
@@ -44,13 +47,15 @@ def engine_info(engine: LLMEngine) -> dict[str, str]:
             "max_model_len": str(engine.max_model_len)}
 
 
-def build_app(async_engine: AsyncEngine) -> FastAPI:
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """The application over ``async_engine``; its lifespan starts and stops the engine thread."""
+    settings = settings or ServerSettings()
     engine = async_engine.engine
     model_name = engine.config.model
     serving = OpenAIServing(async_engine, model_name)
     info = engine_info(engine)
     created = int(time.time())
+    max_body_bytes = settings.body_limit(engine.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -59,26 +64,26 @@ def build_app(async_engine: AsyncEngine) -> FastAPI:
             yield
         finally:
             await async_engine.stop()
+            serving.close()
 
     app = FastAPI(title="neo", lifespan=lifespan)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    # Added last, so it wraps the key check too: a 401 also settles the unread body.
+    app.add_middleware(UnreadBodyMiddleware, timeout_seconds=settings.body_read_timeout_seconds)
 
-    async def read_json(request: Request) -> object:
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ProtocolError(f"the request body is not valid JSON: {error}") from None
+    async def read_request_body(request: Request) -> bytes:
+        return await read_body(request.receive, declared_length(request.headers),
+                               max_body_bytes, settings.body_read_timeout_seconds)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await read_json(request))
-        serving.check_model(body)
-        return await serving.completion(body, request.receive)
+        return await serving.completion(await read_request_body(request), request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await read_json(request))
-        serving.check_model(body)
-        return await serving.chat_completion(body, request.receive)
+        return await serving.chat_completion(await read_request_body(request),
+                                             request.receive)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -97,7 +102,13 @@ def build_app(async_engine: AsyncEngine) -> FastAPI:
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(_request: Request, error: ProtocolError) -> Response:
+        logger.debug("refused a request (%d): %s", error.status, error)
         return error_response(error.status, str(error), error.param, error.code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(_request: Request, _error: ClientDisconnected) -> Response:
+        logger.debug("the client left before its request body was complete")
+        return Response(status_code=CLIENT_CLOSED_STATUS)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> Response:
@@ -123,11 +134,20 @@ class _Server(uvicorn.Server):
         self.async_engine.stop_accepting_threadsafe()
 
 
-def serve(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+def uvicorn_config(app: FastAPI, settings: ServerSettings, **options) -> uvicorn.Config:
+    """uvicorn's settings for ``app``; ``options`` adds or overrides uvicorn's own."""
+    return uvicorn.Config(app, **({"host": settings.host, "port": settings.port,
+                                   "access_log": False,
+                                   "timeout_keep_alive": settings.keep_alive_timeout_seconds,
+                                   "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_SECONDS}
+                                  | options))
+
+
+def serve(engine_config: EngineConfig, settings: ServerSettings | None = None) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM."""
+    settings = settings or ServerSettings()
     async_engine = AsyncEngine(LLMEngine(engine_config))
-    config = uvicorn.Config(build_app(async_engine), host=host, port=port, access_log=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    config = uvicorn_config(build_app(async_engine, settings), settings)
     try:
         _Server(config, async_engine).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it is done

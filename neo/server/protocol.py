@@ -14,8 +14,8 @@ from neo.sampling_params import SamplingParams
 
 
 class ProtocolError(ValueError):
-    """A request the server cannot serve: ``status`` (400, or 404 for an unknown model),
-    ``param`` (the offending field) and ``code`` go into the error response."""
+    """A request the server cannot serve: ``status`` (a 4xx), ``param`` (the offending field)
+    and ``code`` go into the error response."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  code: str | None = None):
@@ -75,20 +75,35 @@ class _SamplingFields(_Strict):
                                 "stream_options")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message."""
+        """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message and
+        the field it refuses."""
         max_tokens = self.requested_max_tokens()
+        values = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                      temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                      seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
+                      stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                      ignore_eos=self.ignore_eos)
         try:
-            return SamplingParams(
-                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
-                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                ignore_eos=self.ignore_eos)
+            return SamplingParams(**values)
         except ValueError as error:
-            raise ProtocolError(str(error)) from None
+            raise ProtocolError(str(error), self._refused_field(values)) from None
+
+    def _refused_field(self, values: dict) -> str | None:
+        """The request field of the first value ``SamplingParams`` refuses on its own (None
+        when only a combination is refused)."""
+        for name, value in values.items():
+            try:
+                SamplingParams(**{name: value})
+            except ValueError:
+                return self.max_tokens_field() if name == "max_tokens" else name
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The name of the field that set ``requested_max_tokens``."""
+        return "max_tokens"
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -178,6 +193,9 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_tokens is None else "max_tokens"
+
 
 def parse_request(model: type[_SamplingFields], body: object) -> _SamplingFields:
     """Validate a decoded JSON body; raises ``ProtocolError`` naming the fields."""
@@ -187,18 +205,36 @@ def parse_request(model: type[_SamplingFields], body: object) -> _SamplingFields
         request = model.model_validate(body)
     except ValidationError as error:
         problems = []
+        fields = []
         for problem in error.errors():
-            field = ".".join(str(part) for part in problem["loc"])
+            field = _field_path(body, problem["loc"], missing=problem["type"] == "missing")
+            fields.append(field)
             if problem["type"] == "extra_forbidden":
                 problems.append(f"unknown field '{field}'")
             elif problem["type"] == "missing":
                 problems.append(f"missing field '{field}'")
             else:
                 problems.append(f"field '{field}': {problem['msg']}")
-        first = ".".join(str(part) for part in error.errors()[0]["loc"])
-        raise ProtocolError("; ".join(problems), first) from None
+        raise ProtocolError("; ".join(dict.fromkeys(problems)), fields[0]) from None
     request.check()
     return request
+
+
+def _field_path(body: dict, location: tuple, missing: bool) -> str:
+    """The dotted path of the field a validation error is about (``messages.0.content``):
+    pydantic's location with the names of union members it tried (``str``, ``list[int]``)
+    left out, found by following the location through the body (``missing``: the last part
+    names a field the body lacks)."""
+    parts = []
+    value = body
+    for index, part in enumerate(location):
+        if isinstance(value, dict) and (part in value or missing and index == len(location) - 1):
+            parts.append(part)
+            value = value.get(part)
+        elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+            parts.append(str(part))
+            value = value[part]
+    return ".".join(parts)
 
 
 # -- responses -----------------------------------------------------------------------------------
