@@ -325,7 +325,7 @@ ERROR_CASES = {
     "bad-stop-token-id": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [-1]}, 400,
                           "stop_token_ids must be non-negative", "stop_token_ids"),
     "seed-out-of-range": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400,
-                          "seed must fit in 64 bits", "seed"),
+                          "seed must be an integer in [-2**63, 2**64 - 1]", "seed"),
     "n-two": (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n must be 1", "n"),
     "stream-options-without-stream": (COMPLETIONS, {"prompt": "hi", "stream_options": {
         "include_usage": True}}, 400, "only allowed when stream is true", "stream_options"),

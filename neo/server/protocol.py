@@ -68,8 +68,6 @@ class _SamplingFields(_Strict):
         if self.n != 1:
             raise ProtocolError(f"n must be 1: this server returns one completion per request "
                                 f"(got {self.n})", "n")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ProtocolError(f"seed must fit in 64 bits, got {self.seed}", "seed")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true",
                                 "stream_options")
