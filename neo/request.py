@@ -9,7 +9,7 @@ import torch
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .engine.stop import IncrementalText
+    from .incremental_text import IncrementalText
 
 
 class RequestStatus(enum.Enum):

@@ -87,10 +87,9 @@ def _fault_injecting_attention(out, q, k_cache, v_cache, block_table, seq_lens, 
     reference.paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale)
 
 
-def _register_host_attention_kernel() -> None:
+def register_host_attention_kernel() -> None:
+    """Register the ``fault_injecting`` kernel (once per process). Call it from a test, not at
+    import: test modules collected later would list it among the implementations."""
     registered = implementations("paged_decode_attention", "cpu", available_only=False)
     if not any(implementation.name == HOST_ATTENTION_KERNEL for implementation in registered):
         register_kernel("paged_decode_attention", HOST_ATTENTION_KERNEL, _fault_injecting_attention)
-
-
-_register_host_attention_kernel()

@@ -16,7 +16,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from engine_reference import gib_for_blocks
-from fault_injection import HOST_ATTENTION_KERNEL, Faults
+from fault_injection import HOST_ATTENTION_KERNEL, Faults, register_host_attention_kernel
 from neo import LLM, EngineConfig, GenerationError, LLMEngine, SamplingParams
 from neo.request import KVLocation
 
@@ -56,6 +56,11 @@ class References:
             output = self.llm.generate(PROMPT_POOL[prompt], sampling(MAX_TOKENS, seed))[0]
             self.tokens[key] = output.outputs[0].token_ids
         return self.tokens[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_attention_kernel():
+    register_host_attention_kernel()
 
 
 @pytest.fixture(scope="module")

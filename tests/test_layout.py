@@ -3,7 +3,8 @@
 
     front door (neo, neo.llm, neo.cli, neo.server, neo.bench)
       -> neo.engine -> neo.runner -> neo.sched -> neo.kv
-      -> shared types (neo.config, neo.request, neo.sampling_params, neo.outputs, neo.tokenizer)
+      -> shared types (neo.config, neo.request, neo.sampling_params, neo.outputs, neo.tokenizer,
+         neo.incremental_text)
       -> neo.models -> neo.ops
 
 Imports inside functions count: a lazy import is still a dependency.
@@ -19,7 +20,8 @@ SOURCE_FOLDERS = {"neo": "neo", "models": "neo.models", "ops": "neo.ops"}
 LAYERS = [  # lowest first; a module may import its own layer and those below it
     ("ops", ("neo.ops",)),
     ("models", ("neo.models",)),
-    ("shared types", ("neo.config", "neo.request", "neo.sampling_params", "neo.outputs", "neo.tokenizer")),
+    ("shared types", ("neo.config", "neo.request", "neo.sampling_params", "neo.outputs", "neo.tokenizer",
+                      "neo.incremental_text")),
     ("kv", ("neo.kv",)),
     ("sched", ("neo.sched",)),
     ("runner", ("neo.runner",)),

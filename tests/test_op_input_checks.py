@@ -65,17 +65,19 @@ class Buffers:
         self.device = device
         self.placed: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def place(self, values: torch.Tensor, name: str, row_gap: int = 0) -> torch.Tensor:
+    def place(self, values: torch.Tensor, name: str, row_gap: int = 0, device: str | None = None) -> torch.Tensor:
+        """``values`` inside a marked buffer on ``device`` (None: the op's device)."""
+        device = device or self.device
         inner = math.prod(values.shape[1:])
         row_stride = inner + row_gap
         margin = max(inner, 8) + row_gap
         length = 2 * margin + values.shape[0] * row_stride
         marker = float("nan") if values.is_floating_point() else INTEGER_MARKER
-        storage = torch.full((length,), marker, dtype=values.dtype, device=self.device)
+        storage = torch.full((length,), marker, dtype=values.dtype, device=device)
         strides = (row_stride, *torch.empty(values.shape[1:]).stride())
         tensor = storage.as_strided(values.shape, strides, margin)
         tensor.copy_(values)
-        own = torch.zeros(length, dtype=torch.bool, device=self.device)
+        own = torch.zeros(length, dtype=torch.bool, device=device)
         own.as_strided(values.shape, strides, margin).fill_(True)
         self.placed.append((name, storage, own, storage.clone()))
         return tensor
@@ -446,7 +448,7 @@ def build_swap_blocks(draw, generator, buffers, nonempty):
         destinations = torch.randperm(num_dst_blocks, generator=generator)[:count]
     mapping = torch.stack((sources, destinations), dim=1)
     return {"src": src, "dst": dst,
-            "block_mapping": buffers.place(mapping, "block_mapping", draw(st.integers(0, 2)))}
+            "block_mapping": buffers.place(mapping, "block_mapping", draw(st.integers(0, 2)), device="cpu")}
 
 
 def _mapping_entry(a, draw, column):

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from neo import LLM, SamplingParams
-from neo.engine.stop import IncrementalText, StopRule
+from neo.engine.stop import StopRule
+from neo.incremental_text import IncrementalText
 from neo.request import Request
 from neo.sampling_params import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from neo.tokenizer import Tokenizer
