@@ -6,7 +6,7 @@
 # Stages:
 #   build        build the CPU (ISPC) and CUDA extensions (or reuse prebuilt ones, see below)
 #   build-cpu    rebuild only the CPU (ISPC) extension, reusing a prebuilt CUDA one
-#   ops-tests    every op test on CUDA and on this host's CPU (ISPC), CUDA extras, opcheck
+#   ops-tests    every op test on CUDA and on this host's CPU (ISPC), CUDA extras, opcheck, input checks
 #   sanitizer    compute-sanitizer memcheck over the attention, KV-store and swap CUDA tests
 #   kernels      CUDA kernel benchmark (vs SDPA, vs copy bandwidth) and the CPU decode-attention
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
@@ -102,7 +102,7 @@ stage_build_cpu() {
 stage_ops_tests() {
   run ops-cuda python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_paged_decode_attention.py \
     tests/test_store_kv_cache.py tests/test_swap_blocks.py tests/test_layer_ops.py tests/test_opcheck.py \
-    tests/test_op_registry.py --junitxml="$out/files/ops-tests.xml"
+    tests/test_op_registry.py tests/test_op_input_checks.py --junitxml="$out/files/ops-tests.xml"
 }
 
 stage_swap_debug() {
