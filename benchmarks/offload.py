@@ -34,6 +34,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import signal
 import statistics
 import tempfile
@@ -135,9 +136,8 @@ def policy_label(config: EngineConfig) -> str:
 
 
 def save_trace(directory: str, config: EngineConfig, workload: str, records: list[dict]) -> str:
-    name = (f"trace-{policy_label(config).replace('/', '-')}-{config.cpu_attention_threads or 'all'}-"
-            f"{workload.replace(':', '-').replace(',', '-')}")
-    path = os.path.join(directory, name.replace("=", "") + ".json.gz")
+    name = f"trace-{policy_label(config)}-{config.cpu_attention_threads or 'all'}-{workload.replace('=', '')}"
+    path = os.path.join(directory, re.sub(r"[^A-Za-z0-9.]+", "-", name) + ".json.gz")
     with gzip.open(path, "wt") as file:
         json.dump(records, file)
     return path

@@ -1,28 +1,28 @@
-"""Benchmark workloads: synthetic lengths, and the Azure LLM inference trace (code, 2023).
+"""Benchmark workloads: synthetic lengths, the Azure LLM inference trace (code, 2023), and
+trace files.
 
 A workload is a list of ``WorkloadRequest`` (prompt length, output length, arrival offset in
-seconds). Prompts are random token ids; the output length is forced (``ignore_eos``).
+seconds or None). Prompts are random token ids; the output length is forced (``ignore_eos``).
 """
 
-import csv
 import random
-from dataclasses import dataclass
-from datetime import datetime
 from importlib import resources
 
+from .trace_files import EXTENSIONS, read_csv_trace, read_trace_file
+from .workload_request import WorkloadRequest
+
 AZURE_CODE_TRACE = "azure_llm_inference_trace_code_2023.csv"
-
-
-@dataclass(frozen=True)
-class WorkloadRequest:
-    prompt_len: int
-    output_len: int
-    arrival_offset: float = 0.0  # seconds after the first request (trace time)
+WORKLOAD_FORMS = "synthetic:input=N,output=M, azure-code or file:PATH (.csv or .jsonl)"
 
 
 def parse_workload(spec: str, num_requests: int, seed: int = 0) -> list[WorkloadRequest]:
-    """``synthetic:input=1000,output=300`` (lengths uniform within +-10% of the targets) or
-    ``azure-code`` (the first ``num_requests`` requests of the trace, with their arrival times)."""
+    """The first ``num_requests`` requests of a workload.
+
+    ``synthetic:input=1000,output=300``: lengths uniform within +-10% of the targets, no arrival
+    times. ``azure-code``: the bundled trace, with its arrival times. ``file:PATH``: a trace
+    file (``neo.bench.trace_files``: CSV with the Azure trace's columns, or JSONL). A trace
+    holding fewer requests than ``num_requests`` gives all of its requests: ``num_requests`` is
+    an upper bound for traces."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     kind, _, arguments = spec.partition(":")
@@ -31,8 +31,13 @@ def parse_workload(spec: str, num_requests: int, seed: int = 0) -> list[Workload
     if kind == "azure-code":
         if arguments:
             raise ValueError(f"workload azure-code takes no arguments, got {spec!r}")
-        return azure_code(num_requests)
-    raise ValueError(f"unknown workload {spec!r}: use synthetic:input=N,output=M or azure-code")
+        return azure_code()[:num_requests]
+    if kind == "file":
+        if not arguments:
+            raise ValueError(f"workload {spec!r} needs a path: file:PATH, PATH ending in "
+                             f"{' or '.join(EXTENSIONS)}")
+        return read_trace_file(arguments)[:num_requests]
+    raise ValueError(f"unknown workload {spec!r}: use {WORKLOAD_FORMS}")
 
 
 def _parse_arguments(spec: str, arguments: str) -> dict[str, int]:
@@ -57,22 +62,10 @@ def synthetic(num_requests: int, input_len: int, output_len: int, seed: int = 0)
     return [WorkloadRequest(around(input_len), around(output_len)) for _ in range(num_requests)]
 
 
-def azure_code(num_requests: int) -> list[WorkloadRequest]:
-    rows = []
-    with resources.files("neo.bench.data").joinpath(AZURE_CODE_TRACE).open() as file:
-        for row in csv.DictReader(file):
-            rows.append(row)
-            if len(rows) == num_requests:
-                break
-    start = _timestamp(rows[0]["TIMESTAMP"])
-    return [WorkloadRequest(int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"])),
-                            (_timestamp(row["TIMESTAMP"]) - start)) for row in rows]
-
-
-def _timestamp(text: str) -> float:
-    # e.g. "2023-11-16 18:17:03.9799600": seven fractional digits, more than %f takes
-    date, _, fraction = text.partition(".")
-    return datetime.strptime(date, "%Y-%m-%d %H:%M:%S").timestamp() + float("0." + (fraction or "0"))
+def azure_code() -> list[WorkloadRequest]:
+    """Every request of the bundled Azure code trace, with arrival offsets."""
+    with resources.files("neo.bench.data").joinpath(AZURE_CODE_TRACE).open(newline="") as file:
+        return read_csv_trace(file, AZURE_CODE_TRACE)
 
 
 def random_prompt(length: int, vocab_size: int, rng: random.Random) -> list[int]:
