@@ -1,19 +1,40 @@
-"""Online serving benchmark: per-token latency against request rate, one ``neo serve`` per policy.
+"""Online serving benchmark: latency and goodput against request rate, one ``neo serve`` per
+policy, reported as vLLM's ``vllm bench serve`` reports them.
 
 For each policy (gpu-only, neo, full-offload by default) a server is started with the engine
 options given after the benchmark's own (``--`` may separate them); for each request rate the
-client sends streaming requests over HTTP with Poisson arrivals (or the trace's own or scaled
-arrival times), forcing each request's output length, and times every token. Every policy
-sees the same requests (same seeds). Results in ``--output-dir``: ``online[-TAG]-sweep.json``
-(every request's record, per-rate summaries with the engine counters of that load, the knee
-analysis, command, device and date), ``online[-TAG]-latency-vs-rate.png``,
-``online[-TAG]-latency-cdf.png``, one server log per policy; a table is printed last.
+client sends streaming requests over HTTP with Poisson arrivals (``--burstiness``: gamma
+arrivals, as vLLM's; or the trace's own or scaled arrival times), at most
+``--max-concurrency`` in flight, forcing each request's output length, and times every token.
+Every policy sees the same requests (same seeds).
 
-Latency vs load (Qwen2.5-32B shapes, 2 GiB GPU KV pool)::
+Per policy and rate: TTFT, TPOT, ITL and end-to-end latency (E2EL), each mean / median / p90 /
+p99 over the finished requests, with the count of unfinished ones (not done by the drain
+timeout, or failed) beside them; request and output token throughput; and with ``--goodput
+ttft:MS tpot:MS`` (also ``e2el:MS``) the fraction of requests meeting every objective, the
+unfinished ones counting as misses. Over the sweep: each policy's goodput rate, the highest
+rate at which ``--goodput-target`` of requests meet the objectives, and its ratio to
+gpu-only's. The per-token latency knee analysis follows, second. Definitions in
+``online_stats``.
+
+Results in ``--output-dir``: ``online[-TAG]-sweep.json`` (every request's record, per-rate
+summaries with the engine counters of that load, the goodput rates, the knee analysis,
+command, device and date), ``online[-TAG]-latency-goodput-vs-rate.png``,
+``online[-TAG]-latency-vs-rate.png``, ``online[-TAG]-latency-cdf.png``, one server log per
+policy; the tables are printed last.
+
+Goodput vs load (Qwen2.5-32B shapes, 2 GiB GPU KV pool)::
 
     python benchmarks/online.py --rates 0.25,0.5,0.75,1,1.5 --duration-per-rate 300 \\
-        --workload synthetic:input=500,output=500 -- --model qwen2.5-32b --load-format dummy \\
-        --dtype bfloat16 --gpu-kv-cache-gib 2 --cpu-kv-cache-gib 64
+        --workload synthetic:input=500,output=500 --goodput ttft:2000 tpot:100 -- \\
+        --model qwen2.5-32b --load-format dummy --dtype bfloat16 --gpu-kv-cache-gib 2 \\
+        --cpu-kv-cache-gib 64
+
+A trace of one's own (``file:PATH``, CSV or JSONL: see ``neo.bench.trace_files``), re-timed
+to each rate::
+
+    python benchmarks/online.py --workload file:requests.jsonl --arrivals scaled --rates 1,2,4 \\
+        --goodput ttft:1000 tpot:50 -- --model llama-3.1-8b --load-format dummy --dtype bfloat16
 
 One policy per command (``--append`` merges into the same JSON, then plots all policies)::
 
@@ -25,10 +46,11 @@ Azure code trace, re-timed to each rate::
         --repeats 3 -- --model llama-3.1-8b --load-format dummy --dtype bfloat16
 
 Policies measured in separate calls (other machine starts): analyze and plot them together
-again, without running a server::
+again, without running a server (also sweeps written before ITL and goodput were reported:
+their records hold every other figure; ``--goodput`` sets the objectives afresh)::
 
     python benchmarks/online.py --mode report --output-dir DIR --tag 8b-azure \\
-        --merge OTHER_DIR/online-8b-azure-sweep.json
+        --merge OTHER_DIR/online-8b-azure-sweep.json --goodput ttft:2000 tpot:100
 
 Server overhead (one streaming request through HTTP vs ``LLM.generate`` in this process)::
 
@@ -52,17 +74,19 @@ import time
 import traceback
 
 from online_client import ARRIVALS, PlannedRequest, plan_requests, run_load, single_request_token_times
-from online_plots import plot_latency_cdf, plot_latency_vs_rate
+from online_plots import plot_field_metrics, plot_latency_cdf, plot_latency_vs_rate
 from online_server import ServerProcess, metric_value
-from online_stats import compare_to_reference, knee_value, knees, load_position, summarize
+from online_stats import (compare_to_reference, goodput_rates, knee_value, knees, load_position,
+                          parse_goodput, summarize)
 
 from neo.bench import release_device_memory
 from neo.cli import build_parser, engine_config_from_args
 from neo.config import POLICIES
 from neo.models.loader import resolve_model_config
-from neo.bench.workloads import parse_workload, random_prompt
+from neo.bench.workloads import WORKLOAD_FORMS, parse_workload, random_prompt
 
 REFERENCE_POLICY = "gpu-only"
+DEFAULT_GOODPUT_TARGET = 0.9
 RESERVED_ENGINE_OPTIONS = ("--policy", "--host", "--port")
 # Engine counters whose change over a load level goes into its summary.
 ENGINE_COUNTERS = ("iterations", "two_batch_iterations", "prefill_tokens", "gpu_decode_tokens",
@@ -83,10 +107,22 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--rates", default="0.5,1,2,4",
                         help="comma-separated request rates (requests/s)")
     parser.add_argument("--workload", default="synthetic:input=500,output=500",
-                        help="synthetic:input=N,output=M (lengths +-10%%) or azure-code")
+                        help=f"{WORKLOAD_FORMS} (synthetic lengths +-10%%)")
     parser.add_argument("--arrivals", choices=ARRIVALS, default="poisson",
                         help="poisson at each rate, the trace's own times (trace: one load "
                              "level), or the trace re-timed to each rate (scaled)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="poisson arrivals: gamma-distributed gaps of this shape and mean "
+                             "1/rate (1: Poisson; below 1: burstier)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight (default: no limit)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="latency objectives a request must meet to count as good, e.g. "
+                             "ttft:2000 tpot:100 (NAME: ttft, tpot, e2el; milliseconds)")
+    parser.add_argument("--goodput-target", type=float, default=None,
+                        help="fraction of requests that must meet the objectives for a rate to "
+                             f"count in the goodput rate (default: the sweep's, else "
+                             f"{DEFAULT_GOODPUT_TARGET:g})")
     parser.add_argument("--duration-per-rate", type=float, default=120.0,
                         help="seconds of arrivals per load level")
     parser.add_argument("--max-requests-per-rate", type=int, default=1000)
@@ -124,6 +160,12 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "policies can be run one command at a time")
     args, engine_args = parser.parse_known_args(argv)
     engine_args = [arg for arg in engine_args if arg != "--"]
+    try:
+        parse_goodput(args.goodput or [])
+    except ValueError as error:
+        parser.error(str(error))
+    if args.goodput_target is not None and not 0 < args.goodput_target <= 1:
+        parser.error(f"--goodput-target must be in (0, 1], got {args.goodput_target:g}")
     if args.mode == "report":
         if args.output_dir is None or engine_args:
             parser.error("--mode report reads --output-dir's sweep and takes no engine options")
@@ -143,6 +185,19 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("rates must be positive")
     if args.repeats < 1 or args.overhead_repeats < 1 or args.max_requests_per_rate < 1:
         parser.error("--repeats, --overhead-repeats and --max-requests-per-rate must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        parser.error(f"--burstiness must be > 0, got {args.burstiness:g}")
+    if args.burstiness != 1.0 and args.arrivals != "poisson":
+        parser.error(f"--burstiness applies to poisson arrivals, not --arrivals {args.arrivals}")
+    try:
+        first = parse_workload(args.workload, 1, seed=args.seed)[0]
+    except ValueError as error:
+        parser.error(f"--workload: {error}")
+    if args.arrivals != "poisson" and first.arrival_offset is None:
+        parser.error(f"--arrivals {args.arrivals} needs a workload with arrival times (azure-code, "
+                     f"or a trace file with TIMESTAMP / arrival_s), got {args.workload!r}")
     return args, engine_args
 
 
@@ -217,20 +272,25 @@ def sweep_policy(policy: str, args, engine_args: list[str], vocab_size: int, res
             for repeat in range(args.repeats):
                 seed = args.seed + repeat
                 planned = plan_requests(args.workload, args.arrivals, rate, args.duration_per_rate,
-                                        args.max_requests_per_rate, seed, card["max_model_len"])
+                                        args.max_requests_per_rate, seed, card["max_model_len"],
+                                        args.burstiness)
                 records = asyncio.run(run_load(server.url, card["id"], planned, vocab_size, seed,
-                                               args.request_timeout, args.drain_timeout))
+                                               args.request_timeout, args.drain_timeout,
+                                               args.max_concurrency))
                 server.wait_until_idle()
                 level_records += [record.as_dict() | {"policy": policy, "rate": rate, "repeat": repeat}
                                   for record in records]
-            summary = summarize(level_records, rate) | {"policy": policy}
+            summary = summarize(level_records, rate, parse_goodput(args.goodput or [])) | {"policy": policy}
             summary["engine"] = engine_summary(before, counters(server))
             results["summaries"].append(summary)
             results["records"] += level_records
             save_json(json_path, results)
+            fraction = summary["goodput"]["fraction"]
             print(f"[{policy}] {rate_label(rate)}: {summary['completed']}/{summary['sent']} done, "
-                  f"mean per-token latency {_ms(summary['per_token_latency']['mean'])} ms, "
-                  f"p99 {_ms(summary['per_token_latency']['p99'])} ms", flush=True)
+                  f"TTFT median {_ms(summary['ttft']['median'])} ms p99 {_ms(summary['ttft']['p99'])} ms, "
+                  f"TPOT median {_ms(summary['tpot']['median'])} ms p99 {_ms(summary['tpot']['p99'])} ms"
+                  + ("" if fraction is None else f", {fraction:.1%} within the goodput objectives"),
+                  flush=True)
 
 
 def new_sweep_results(args, engine_args: list[str], json_path: str) -> dict:
@@ -256,12 +316,17 @@ def new_sweep_results(args, engine_args: list[str], json_path: str) -> dict:
     return results
 
 
+# Settings a merged sweep must share, with the value of sweeps written before the setting existed.
+SHARED_SETTINGS = {"workload": None, "arrivals": None, "burstiness": 1.0, "max_concurrency": None}
+
+
 def check_same_setup(previous: dict, current: dict, path: str, option: str) -> None:
-    """Sweeps merged into one must share workload, arrivals and engine options."""
-    for key in ("workload", "arrivals"):
-        if previous["settings"][key] != current["settings"][key]:
-            raise SystemExit(f"{option}: {path} was measured with {key} "
-                             f"{previous['settings'][key]!r}, not {current['settings'][key]!r}")
+    """Sweeps merged into one must share workload, arrivals (and their burstiness), the
+    concurrency limit and engine options."""
+    for key, default in SHARED_SETTINGS.items():
+        before, now = previous["settings"].get(key, default), current["settings"].get(key, default)
+        if before != now:
+            raise SystemExit(f"{option}: {path} was measured with {key} {before!r}, not {now!r}")
     if previous["engine_args"] != current["engine_args"]:
         raise SystemExit(f"{option}: {path} was measured with engine options "
                          f"{previous['engine_args']}, not {current['engine_args']}")
@@ -307,11 +372,39 @@ def run_report(args) -> None:
     report_sweep(results, args, json_path)
 
 
+def objectives_and_target(args, results: dict) -> tuple[dict[str, float], float]:
+    """The goodput objectives (seconds) and target: the command's, else the sweep's."""
+    settings = results["settings"]
+    objectives = parse_goodput(args.goodput or settings.get("goodput") or [])
+    target = args.goodput_target or settings.get("goodput_target") or DEFAULT_GOODPUT_TARGET
+    return objectives, target
+
+
+def resummarize(results: dict, objectives: dict[str, float]) -> list[dict]:
+    """Every load level's summary computed again from its records (with ``objectives``),
+    keeping the engine counters measured with it."""
+    records: dict[tuple, list[dict]] = {}
+    for record in results["records"]:
+        records.setdefault((record["policy"], record["rate"]), []).append(record)
+    return [summarize(records.get((summary["policy"], summary["rate"]), []), summary["rate"], objectives)
+            | {"policy": summary["policy"], "engine": summary["engine"]}
+            for summary in results["summaries"]]
+
+
 def report_sweep(results: dict, args, json_path: str) -> None:
-    """Knees, the comparison with gpu-only, both plots and the table; saves the JSON."""
+    """Summaries from the records, goodput rates, knees, the comparison with gpu-only, the
+    plots and the tables; saves the JSON."""
+    objectives, target = objectives_and_target(args, results)
+    results["summaries"] = resummarize(results, objectives)
     by_policy: dict[str, list[dict]] = {}
     for summary in results["summaries"]:
         by_policy.setdefault(summary["policy"], []).append(summary)
+    results["goodput"] = None
+    if objectives:
+        fractions = {policy: [(load_position(level), level["goodput"]["fraction"]) for level in levels
+                              if load_position(level) is not None and level["goodput"]["fraction"] is not None]
+                     for policy, levels in by_policy.items()}
+        results["goodput"] = goodput_rates(fractions, REFERENCE_POLICY, target) | {"objectives_s": objectives}
     curves = {policy: [(load_position(level), knee_value(level)) for level in levels
                        if load_position(level) is not None]
               for policy, levels in by_policy.items()}
@@ -320,7 +413,13 @@ def report_sweep(results: dict, args, json_path: str) -> None:
     results["comparison"] = compare_to_reference(results["summaries"], REFERENCE_POLICY)
     save_json(json_path, results)
     settings = results["settings"]
-    title = f"{' '.join(results['engine_args'])} | {settings['workload']}, {settings['arrivals']} arrivals"
+    burstiness = settings.get("burstiness", 1.0)
+    concurrency = settings.get("max_concurrency")
+    title = (f"{' '.join(results['engine_args'])} | {settings['workload']}, {settings['arrivals']} arrivals"
+             + (f" (burstiness {burstiness:g})" if burstiness != 1.0 else "")
+             + (f", at most {concurrency} in flight" if concurrency else ""))
+    plot_field_metrics(by_policy, results["goodput"], title,
+                       output_path(args, "latency-goodput-vs-rate.png"))
     plot_latency_vs_rate(by_policy, results["knee"], title,
                          output_path(args, "latency-vs-rate.png"))
     tested = sorted({summary["rate"] for summary in results["summaries"]
@@ -332,7 +431,9 @@ def report_sweep(results: dict, args, json_path: str) -> None:
                    for policy in by_policy}
     plot_latency_cdf(cdf_records, rate_label(cdf_rate), title,
                      output_path(args, "latency-cdf.png"))
-    print_sweep_table(results, cdf_rate)
+    print_field_table(results)
+    print_goodput_rates(results["goodput"])
+    print_knee_table(results, cdf_rate)
 
 
 def choose_cdf_rate(wanted: float | None, tested: list[float], knee: dict) -> float | None:
@@ -369,11 +470,59 @@ def rate_text(rate: float | None) -> str:
     return "trace" if rate is None else f"{rate:g}"
 
 
-def print_sweep_table(results: dict, cdf_rate: float | None) -> None:
+def _per_second(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_field_table(results: dict) -> None:
+    """TTFT, TPOT, ITL, E2EL, throughput and goodput per policy and rate."""
+    goodput = results["goodput"]
+    objectives = ("none (--goodput)" if goodput is None else ", ".join(
+        f"{name} <= {limit * 1000:g} ms" for name, limit in goodput["objectives_s"].items()))
+    print(f"\nlatency in ms over the finished requests (done/sent: the others did not finish by the "
+          f"drain timeout or failed; goodput counts them as misses); {results.get('device')}")
+    print(f"goodput objectives: {objectives}")
+    header = (f"{'policy':<13}{'rate':>7}{'achieved':>9}{'done/sent':>11}"
+              f"{'ttft mean':>10}{'p50':>8}{'p99':>8}{'tpot mean':>10}{'p50':>7}{'p99':>7}"
+              f"{'itl mean':>9}{'p99':>7}{'e2el mean':>10}{'p99':>8}{'req/s':>8}{'out tok/s':>10}"
+              f"{'good':>7}")
+    print(header)
+    print("-" * len(header))
+    for summary in results["summaries"]:
+        ttft, tpot, itl, e2el = (summary[name] for name in ("ttft", "tpot", "itl", "e2el"))
+        fraction = summary["goodput"]["fraction"]
+        print(f"{summary['policy']:<13}{rate_text(summary['rate']):>7}"
+              f"{_per_second(summary['achieved_rate'], 3):>9}"
+              f"{str(summary['completed']) + '/' + str(summary['sent']):>11}"
+              f"{_ms(ttft['mean']):>10}{_ms(ttft['median']):>8}{_ms(ttft['p99']):>8}"
+              f"{_ms(tpot['mean']):>10}{_ms(tpot['median']):>7}{_ms(tpot['p99']):>7}"
+              f"{_ms(itl['mean']):>9}{_ms(itl['p99']):>7}{_ms(e2el['mean']):>10}{_ms(e2el['p99']):>8}"
+              f"{_per_second(summary['requests_per_s'], 3):>8}"
+              f"{_per_second(summary['output_tokens_per_s'], 0):>10}{_percent(fraction):>7}")
+
+
+def print_goodput_rates(goodput: dict | None) -> None:
+    """Each policy's goodput rate and its ratio to the reference policy's."""
+    if goodput is None:
+        return
+    print(f"\ngoodput rate: the highest request rate at which >= {goodput['target']:.0%} of requests "
+          f"meet the objectives (linear between the tested rates around the crossing)")
+    meaning = {"exact": "", "at least": " (at least: met at every tested rate)",
+               "below": " (below the lowest tested rate, which already misses the target)"}
+    for policy, entry in goodput["policies"].items():
+        rate = "-" if entry["rate"] is None else f"{entry['rate']:.3f} req/s"
+        ratio = entry.get("ratio_to_reference")
+        ratio_text = ("" if ratio is None else
+                      f", {'' if entry['ratio_bound'] == 'exact' else entry['ratio_bound'] + ' '}"
+                      f"{ratio:.2f}x {goodput['reference']}")
+        print(f"  {policy:<13} {rate}{meaning.get(entry['bound'], '')}{ratio_text}")
+
+
+def print_knee_table(results: dict, cdf_rate: float | None) -> None:
     header = (f"{'policy':<13}{'rate':>7}{'achieved':>9}{'done/sent':>11}{'ptl mean':>10}"
               f"{'ptl p90':>9}{'ptl p99':>9}{'ttft':>9}{'tpot':>8}{'tok/s':>8}{'2-batch':>8}"
               f"{'cpu-dec':>8}{'spread':>8}")
-    print(f"\nper-token latency (ptl) = request latency / output tokens; times in ms; "
+    print(f"\nknee analysis, per-token latency (ptl) = request latency / output tokens; times in ms; "
           f"{results.get('device')}")
     print(header)
     print("-" * len(header))

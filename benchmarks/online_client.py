@@ -6,10 +6,12 @@ output length and ``ignore_eos``, so every request produces exactly its output l
 """
 
 import asyncio
+import contextlib
 import json
+import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -27,29 +29,40 @@ class PlannedRequest:
 
 
 def plan_requests(workload: str, arrivals: str, rate: float | None, duration: float,
-                  max_requests: int, seed: int, max_model_len: int) -> list[PlannedRequest]:
+                  max_requests: int, seed: int, max_model_len: int,
+                  burstiness: float = 1.0) -> list[PlannedRequest]:
     """The requests of one load level.
 
-    arrivals: "poisson" (exponential gaps at ``rate`` requests/s), "trace" (the trace's own
-    arrival times; ``rate`` unused) or "scaled" (the trace's first ``rate * duration`` requests,
-    their gaps scaled so that their mean rate is ``rate``: the trace's bursts and lulls, at that
-    load). Requests arrive within ``duration`` seconds, at most ``max_requests`` of them.
-    Lengths come from ``neo.workloads`` (synthetic +-10%, or the trace's), clipped so prompt +
-    output fits ``max_model_len``.
+    arrivals: "poisson" (random gaps at ``rate`` requests/s: gamma-distributed with shape
+    ``burstiness`` and mean 1 / ``rate``, as vLLM's ``--burstiness``; 1 is a Poisson process,
+    below 1 burstier, above 1 more regular), "trace" (the trace's own arrival times; ``rate``
+    unused) or "scaled" (the trace's first ``rate * duration`` requests, their gaps scaled so
+    that their mean rate is ``rate``: the trace's bursts and lulls, at that load). Requests
+    arrive within ``duration`` seconds, at most ``max_requests`` of them (fewer when a trace
+    file holds fewer). Lengths come from ``neo.bench.workloads`` (synthetic +-10%, or the
+    trace's), clipped so prompt + output fits ``max_model_len``.
     """
     if arrivals not in ARRIVALS:
         raise ValueError(f"unknown arrivals {arrivals!r}; choose one of {', '.join(ARRIVALS)}")
-    if arrivals != "poisson" and not workload.startswith("azure-code"):
-        raise ValueError(f"arrivals {arrivals!r} need a trace workload (azure-code), got {workload!r}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if burstiness != 1.0 and arrivals != "poisson":
+        raise ValueError(f"burstiness {burstiness:g} applies to poisson arrivals, not {arrivals!r}")
     if arrivals == "scaled":
         max_requests = min(max_requests, max(2, round(rate * duration)))
     items = parse_workload(workload, max_requests, seed=seed)
+    if arrivals != "poisson" and items[0].arrival_offset is None:
+        raise ValueError(f"arrivals {arrivals!r} need a workload with arrival times (azure-code, "
+                         f"or a trace file with TIMESTAMP / arrival_s), got {workload!r}")
     if arrivals == "poisson":
         rng = random.Random(f"{seed}/{rate}")
         offsets, offset = [], 0.0
         while len(offsets) < max_requests and offset < duration:
             offsets.append(offset)
-            offset += rng.expovariate(rate)
+            # Gamma with shape 1 is the exponential: drawn as such, the same seed plans the
+            # same Poisson arrivals as before burstiness was a setting.
+            offset += (rng.expovariate(rate) if burstiness == 1.0
+                       else rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
     else:
         trace = [item.arrival_offset - items[0].arrival_offset for item in items]
         scale = 1.0
@@ -75,9 +88,10 @@ class RequestRecord:
     send_offset: float | None = None
     output_tokens: int = 0
     ttft: float | None = None  # send -> first token
-    latency: float | None = None  # send -> last token
+    latency: float | None = None  # send -> last token (end-to-end latency, E2EL)
     tpot: float | None = None  # (last token - first token) / (output tokens - 1)
     per_token_latency: float | None = None  # latency / output tokens
+    itl: list[float] = field(default_factory=list)  # gaps between token events, to the microsecond
     finish_reason: str | None = None
     error: str | None = None
 
@@ -121,6 +135,8 @@ async def timed_stream(client: httpx.AsyncClient, body: dict, record: RequestRec
                 for choice in chunk["choices"]:
                     new_tokens = len(choice.get("token_ids", []))
                     if new_tokens:
+                        if token_times:
+                            record.itl.append(round(now - token_times[-1], 6))
                         token_times.append(now)
                         record.output_tokens += new_tokens
                     record.finish_reason = choice["finish_reason"] or record.finish_reason
@@ -140,9 +156,20 @@ async def timed_stream(client: httpx.AsyncClient, body: dict, record: RequestRec
 
 
 async def run_load(url: str, model: str, planned: list[PlannedRequest], vocab_size: int,
-                   seed: int, request_timeout: float, drain_timeout: float) -> list[RequestRecord]:
+                   seed: int, request_timeout: float, drain_timeout: float,
+                   max_concurrency: int | None = None) -> list[RequestRecord]:
     """Send ``planned`` on schedule; wait for the last one at most ``drain_timeout`` seconds
-    after the last send, then cancel what is left (recorded with an error)."""
+    after the last is due, then cancel what is left (recorded with an error).
+
+    ``max_concurrency``: at most this many requests in flight; a request due while that many
+    are in flight waits for one to finish, and its times (``send_offset``, TTFT, E2EL) start
+    when it is sent, as vLLM's ``--max-concurrency`` measures them."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def send(body: dict, record: RequestRecord) -> list[float]:
+        async with slots:
+            return await timed_stream(client, body, record, origin)
+
     rng = random.Random(f"prompts/{seed}")
     prompts = [random_prompt(item.prompt_len, vocab_size, rng) for item in planned]
     records = [RequestRecord(item.index, item.prompt_len, item.output_len, item.send_offset)
@@ -157,7 +184,7 @@ async def run_load(url: str, model: str, planned: list[PlannedRequest], vocab_si
             if delay > 0:
                 await asyncio.sleep(delay)
             body = completion_body(model, prompt, item.output_len)
-            tasks.append(asyncio.ensure_future(timed_stream(client, body, record, origin)))
+            tasks.append(asyncio.ensure_future(send(body, record)))
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
             for task in pending:

@@ -12,6 +12,59 @@ from online_stats import load_position  # noqa: E402
 MILLISECONDS = 1000.0
 
 
+def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, title: str,
+                       path: str) -> None:
+    """TTFT, TPOT and ITL (median, p90, p99; ms) and the fraction of requests meeting the
+    goodput objectives against request rate: one color per policy, one line style per
+    statistic. The goodput panel marks the target fraction and each policy's goodput rate."""
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    styles = {"median": "-", "p90": "--", "p99": ":"}
+    colors = {policy: f"C{index}" for index, policy in enumerate(summaries)}
+    for axis, metric in zip(axes.flat, ("ttft", "tpot", "itl")):
+        for policy, levels in summaries.items():
+            for statistic, style in styles.items():
+                points = sorted((load_position(level), level[metric][statistic]) for level in levels
+                                if level[metric][statistic] is not None and load_position(level) is not None)
+                if points:
+                    rates, values = zip(*points)
+                    axis.plot(rates, np.asarray(values) * MILLISECONDS, linestyle=style, marker="o",
+                              markersize=3, color=colors[policy], label=f"{policy} {statistic}")
+        axis.set_title(f"{metric.upper()} (finished requests)")
+        axis.set_ylabel("ms")
+        axis.grid(True, alpha=0.3)
+        if axis.lines:
+            axis.legend(fontsize=7)
+        else:  # sweeps written before ITL was recorded
+            axis.text(0.5, 0.5, "not recorded in this sweep", ha="center", transform=axis.transAxes)
+    axis = axes[1, 1]
+    for policy, levels in summaries.items():
+        points = sorted((load_position(level), level["goodput"]["fraction"]) for level in levels
+                        if level["goodput"]["fraction"] is not None and load_position(level) is not None)
+        if points:
+            rates, fractions = zip(*points)
+            axis.plot(rates, fractions, marker="o", color=colors[policy], label=policy)
+    if goodput:
+        axis.axhline(goodput["target"], color="gray", linestyle="--", linewidth=1,
+                     label=f"target {goodput['target']:g}")
+        for policy, entry in goodput["policies"].items():
+            if entry["bound"] == "exact":
+                axis.axvline(entry["rate"], color=colors.get(policy, "gray"), linestyle=":", linewidth=0.8)
+        objectives = ", ".join(f"{name} <= {limit * MILLISECONDS:g} ms"
+                               for name, limit in goodput["objectives_s"].items())
+        axis.set_title(f"fraction of requests meeting {objectives}", fontsize=9)
+    else:
+        axis.set_title("goodput: no objectives given (--goodput)")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=7)
+    for axis in axes[1]:
+        axis.set_xlabel("request rate (requests/s)")
+    figure.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def plot_latency_vs_rate(summaries: dict[str, list[dict]], knee: dict | None, title: str,
                          path: str) -> None:
     """Mean, p90 and p99 per-token latency (ms) against request rate, one curve per policy.

@@ -641,9 +641,11 @@ def test_scaled_trace_arrivals_reach_the_rate(rate):
 @pytest.mark.slow
 def test_load_generator_sweep_end_to_end(tmp_path):
     """One policy per command (--append merges them), as on a machine with a time limit per
-    command. Prompt + output stay within the 4-block (64-token) GPU pool of gpu-only."""
+    command. Prompt + output stay within the 4-block (64-token) GPU pool of gpu-only. At most
+    3 requests in flight; goodput objectives loose enough for a slow CPU."""
     options = ["--rates", "3,20", "--duration-per-rate", "2", "--workload",
-               "synthetic:input=30,output=20", "--warmup-requests", "1", "--append", "--tag", "tiny"]
+               "synthetic:input=30,output=20", "--warmup-requests", "1", "--append", "--tag", "tiny",
+               "--max-concurrency", "3", "--goodput", "ttft:5000", "tpot:1000"]
     run_benchmark(["--policies", "gpu-only", *options], tmp_path)
     stdout = run_benchmark(["--policies", "neo", *options], tmp_path)
     with open(tmp_path / "online-tiny-sweep.json") as file:
@@ -655,19 +657,33 @@ def test_load_generator_sweep_end_to_end(tmp_path):
         ("gpu-only", 3.0), ("gpu-only", 20.0), ("neo", 3.0), ("neo", 20.0)]
     for summary in results["summaries"]:
         assert summary["sent"] >= 1 and summary["completed"] == summary["sent"]
-        assert 0 < summary["per_token_latency"]["p50"] <= summary["per_token_latency"]["p99"]
+        for name in ("ttft", "tpot", "itl", "e2el", "per_token_latency"):
+            assert 0 < summary[name]["median"] <= summary[name]["p99"] and summary[name]["left_out"] == 0
+        assert summary["ttft"]["mean"] < summary["e2el"]["mean"]
+        assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+        assert summary["goodput"]["fraction"] == 1.0 and summary["goodput"]["good"] == summary["sent"]
+    assert set(results["goodput"]["policies"]) == {"gpu-only", "neo"}
+    assert results["goodput"]["policies"]["gpu-only"] == {"rate": 20.0, "bound": "at least",
+                                                         "ratio_to_reference": 1.0, "ratio_bound": "exact"}
     assert len(results["records"]) == sum(summary["sent"] for summary in results["summaries"])
     for record in results["records"]:
         assert 27 <= record["prompt_tokens"] <= 33
         assert record["output_tokens"] == record["requested_output_tokens"]
         assert record["ttft"] <= record["latency"]
+        assert 1 <= len(record["itl"]) <= record["output_tokens"] - 1
+        assert sum(record["itl"]) == pytest.approx(record["latency"] - record["ttft"], abs=1e-4)
+    for summary in results["summaries"]:  # --max-concurrency 3: never more in flight
+        level = [(record["send_offset"], record["send_offset"] + record["latency"]) for record in results["records"]
+                 if (record["policy"], record["rate"]) == (summary["policy"], summary["rate"])]
+        assert max(sum(start <= moment < end for start, end in level) for moment, _ in level) <= 3
     # At 20 requests/s several requests overlap: neo decodes the overflow on the host.
     assert results["summaries"][-1]["engine"]["host_decode_share"] > 0
     assert results["summaries"][1]["engine"]["host_decode_share"] == 0
-    for name in ("online-tiny-latency-vs-rate.png", "online-tiny-latency-cdf.png"):
+    for name in ("online-tiny-latency-goodput-vs-rate.png", "online-tiny-latency-vs-rate.png",
+                 "online-tiny-latency-cdf.png"):
         with open(tmp_path / name, "rb") as file:
             assert file.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "knee threshold" in stdout and "latency distribution plotted at" in stdout.splitlines()[-1]
+    assert "goodput rate" in stdout and "knee threshold" in stdout and "latency distribution plotted at" in stdout.splitlines()[-1]
     check_report_merges_split_sweeps(results, tmp_path)
 
 
@@ -695,6 +711,7 @@ def check_report_merges_split_sweeps(results: dict, tmp_path) -> None:
     with open(tmp_path / "gpu-only" / "online-tiny-sweep.json") as file:
         merged = json.load(file)
     assert merged["knee"] == results["knee"] and merged["comparison"] == results["comparison"]
+    assert merged["goodput"] == results["goodput"]
     assert len(merged["records"]) == len(results["records"])
     assert set(merged["policies"]) == {"gpu-only", "neo"}
     for name in ("online-tiny-latency-vs-rate.png", "online-tiny-latency-cdf.png"):
