@@ -1,4 +1,5 @@
-"""Benchmarking: the offline throughput benchmark, workloads, and the bundled trace."""
+"""Benchmarking: the offline throughput benchmark and its workloads (synthetic, the bundled
+trace, trace files)."""
 
 from .offline import device_name, release_device_memory, run_offline_benchmark
 
