@@ -33,7 +33,8 @@ from neo.engine import LLMEngine
 from . import prometheus
 from .async_engine import AsyncEngine
 from .auth import ApiKeyMiddleware
-from .protocol import ProtocolError, model_card
+from .protocol import ProtocolError
+from .responses import model_card
 from .request_body import UnreadBodyMiddleware, declared_length, read_body
 from .serving import CLIENT_CLOSED_STATUS, OpenAIServing, error_response
 from .settings import ServerSettings
