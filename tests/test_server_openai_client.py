@@ -233,6 +233,8 @@ def test_metrics_histograms_after_a_request(server, client):
     def histograms() -> dict:
         families = parse_prometheus(httpx.get(server.url + "/metrics",
                                               timeout=CLIENT_TIMEOUT_SECONDS).text)
+        info = dict(next(iter(families["neo_engine_info"])))
+        assert (info["model"], info["served_model_name"]) == ("neo-tiny", SERVED_NAME)
         for name in HISTOGRAMS:
             histogram_buckets(families, name)
         return {name: (metric(families, name, sample="count"),

@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
-def engine_info(engine: LLMEngine) -> dict[str, str]:
+def engine_info(engine: LLMEngine, served_model_name: str) -> dict[str, str]:
     """Labels of ``neo_engine_info``."""
-    return {"model": engine.config.model, "policy": engine.config.policy,
+    return {"model": engine.config.model, "served_model_name": served_model_name,
+            "policy": engine.config.policy,
             "device": device_name(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "max_model_len": str(engine.max_model_len)}
 
@@ -60,7 +61,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     engine = async_engine.engine
     model_name = settings.served_model_name or engine.config.model
     serving = OpenAIServing(async_engine, model_name)
-    info = engine_info(engine)
+    info = engine_info(engine, model_name)
     created = int(time.time())
     max_body_bytes = settings.body_limit(engine.max_model_len)
 

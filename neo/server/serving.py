@@ -248,7 +248,14 @@ async def merge_outputs(firsts: list[RequestOutput], streams: list[AsyncIterator
     first output (already read from its stream), then the rest. One read per unfinished
     stream is pending at a time, so each stream still hands over only its newest output when
     the reader falls behind. Raises what a stream raises; closing this iterator cancels the
-    pending reads."""
+    pending reads. A single stream is read directly, without a task per read."""
+    if len(streams) == 1:
+        output = firsts[0]
+        yield 0, output
+        while not output.finished:
+            output = await anext(streams[0])
+            yield 0, output
+        return
     pending: dict[asyncio.Future, int] = {}
     try:
         for position, first in enumerate(firsts):
