@@ -288,6 +288,43 @@ def test_many_streams_with_disconnects_leave_no_blocks(seed, tiny_server):
     assert delta("neo_requests_aborted_total") == len(leaving)
     assert delta("neo_requests_finished_total") == len(staying)
     assert metric(after, "neo_kv_cache_blocks_used", pool="gpu") == 0
+
+
+def test_batch_requests_left_early_leave_no_blocks(seed, tiny_server):
+    """Clients sending a batch of 3 prompts leave early: 4 streams after 3 chunks, 4 plain
+    requests by timing out. Every prompt's engine request is aborted, a batch sent alongside
+    completes, and afterwards no KV block is in use."""
+    rng = random.Random(seed)
+
+    def batch() -> list[list[int]]:
+        return [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(3)]
+
+    endless = dict(temperature=0, ignore_eos=True, return_token_ids=True, max_tokens=4000)
+
+    async def plain_leaving(client):
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(COMPLETIONS, json=endless | {"prompt": batch()}, timeout=0.5)
+
+    async def main():
+        async with client_for(tiny_server) as client:
+            before = parse_prometheus((await client.get("/metrics")).text)
+            streams = asyncio.gather(*(stream_request(client, COMPLETIONS,
+                                                      endless | {"prompt": batch()},
+                                                      stop_after=3) for _ in range(4)))
+            plain = asyncio.gather(*(plain_leaving(client) for _ in range(4)))
+            staying = client.post(COMPLETIONS, json=dict(prompt=batch(), max_tokens=5,
+                                                         ignore_eos=True))
+            results = await asyncio.gather(streams, plain, staying)
+            after = await wait_for_idle(client)
+            return before, results, after
+
+    before, (streams, _, staying), after = run(main())
+    assert all(stream.status == 200 and len(stream.chunks) == 3 for stream in streams)
+    assert staying.status_code == 200
+    assert [choice["index"] for choice in staying.json()["choices"]] == [0, 1, 2]
+    assert metric(after, "neo_requests_aborted_total") - metric(
+        before, "neo_requests_aborted_total") == 8 * 3
+    assert metric(after, "neo_kv_cache_blocks_used", pool="gpu") == 0
     assert metric(after, "neo_kv_cache_usage_ratio", pool="gpu") == 0
     engine = tiny_server.async_engine.engine
     assert all(pool.num_used == 0 for pool in engine.block_manager.pools.values())
