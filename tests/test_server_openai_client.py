@@ -168,7 +168,7 @@ def test_batch_prompts(kind, client, reference_llm):
 def test_documented_fields_that_keep_the_output_are_ignored(client, caplog):
     messages = [{"role": "user", "content": "Hi"}]
     plain = client.chat.completions.create(model=SERVED_NAME, messages=messages, **GREEDY)
-    with caplog.at_level(logging.WARNING, logger="neo.server.protocol"):
+    with caplog.at_level(logging.WARNING, logger="neo.server.serving"):
         decorated = client.chat.completions.create(
             model=SERVED_NAME, messages=messages, max_tokens=10, temperature=0,
             metadata={"team": "search"}, store=False, service_tier="auto",
@@ -180,8 +180,17 @@ def test_documented_fields_that_keep_the_output_are_ignored(client, caplog):
                         "some_future_field": {"a": 1}})
     assert decorated.choices[0].message.content == plain.choices[0].message.content
     warnings = [record.getMessage() for record in caplog.records
-                if record.name == "neo.server.protocol"]
+                if record.name == "neo.server.serving"]
     assert len(warnings) == 1 and "'some_future_field'" in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="neo.server.serving"):
+        again = client.chat.completions.create(
+            model=SERVED_NAME, messages=messages, **GREEDY | {"extra_body": {
+                "ignore_eos": True, "some_future_field": 2, "another_field": None}})
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    warnings = [record.getMessage() for record in caplog.records
+                if record.name == "neo.server.serving"]
+    assert warnings == ["ignored request fields this server does not know: 'another_field'"]
     completion = client.completions.create(model=SERVED_NAME, prompt="Hi", user="u", echo=False,
                                            best_of=1, suffix=None, **GREEDY)
     assert completion.choices[0].finish_reason == "length"
@@ -326,7 +335,8 @@ def test_serve_prints_a_banner_and_serves_the_short_name(tmp_path):
             assert [model.id for model in served_client.models.list()] == [SERVED_NAME]
         log = served.log()
     assert "neo is serving" in log
-    for row in ("model          neo-tiny", f"served as      {SERVED_NAME}", "policy         gpu-only",
+    for row in ("model          neo-tiny", f"served as      {SERVED_NAME}",
+                "policy         gpu-only",
                 "GPU KV pool    1024 blocks, 16384 tokens", "CPU KV pool    256 blocks",
                 "CPU attention  ", f"listening on   {served.url}/v1"):
         assert row in log, log

@@ -2,9 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. The model is served under
-``ServerSettings.served_model_name`` (default: the engine's ``config.model``). Every error is returned in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``; a request the client got wrong is
-answered 4xx and logged at most at debug level, so hostile clients cannot flood the log.
+``ServerSettings.served_model_name`` (default: the engine's ``config.model``). Every error is
+returned in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a request the
+client got wrong is answered 4xx and logged at most at debug level, so hostile clients cannot
+flood the log (request fields the server does not know are ignored, each name warned about
+once: ``serving.py``).
 With an API key set, all routes but ``/health`` and ``/metrics`` need it (``auth.py``).
 Request bodies are read within a size limit and a deadline (``request_body.py``).
 

@@ -10,8 +10,8 @@ Each documented OpenAI request field falls in one of three groups:
   implement (``tools``, a JSON ``response_format``, ``logit_bias``, ``echo``, penalties, ...):
   any value but the one that turns them off is a 400 naming the field (``OFF_VALUES``).
 
-A field this server does not know is ignored, as vLLM does, and named in one warning per
-request. Value checks are left to ``SamplingParams`` so each rule has one home. Extensions to
+A field this server does not know is ignored, as vLLM does (``unknown_fields`` lists them for
+the server's log). Value checks are left to ``SamplingParams`` so each rule has one home. Extensions to
 OpenAI's API: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
 choice and stream chunk then carries the new token ids as ``token_ids``, useful for models
 without a tokenizer).
@@ -20,7 +20,6 @@ without a tokenizer).
 prompt is its own engine request and its choices follow the prompt's position.
 """
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,13 +27,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from neo.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 # The most prompts one /v1/completions request may carry.
 MAX_BATCH_PROMPTS = 256
-# The most unknown field names one warning lists, and the characters shown of each.
-MAX_LOGGED_UNKNOWN_FIELDS = 8
-MAX_LOGGED_FIELD_NAME_CHARS = 40
 # The characters of a refused value shown in its error message.
 MAX_SHOWN_VALUE_CHARS = 80
 
@@ -162,8 +156,7 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None
 
     def check(self) -> None:
-        """Reject what this server does not do, with the field named; log the unknown fields
-        it ignores."""
+        """Reject what this server does not do, with the field named."""
         for name, is_off in OFF_VALUES.items():
             if name in type(self).model_fields and not is_off(getattr(self, name)):
                 shown = repr(getattr(self, name))
@@ -174,12 +167,11 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true",
                                 "stream_options")
-        if self.model_extra:
-            names = [name[:MAX_LOGGED_FIELD_NAME_CHARS]
-                     for name in list(self.model_extra)[:MAX_LOGGED_UNKNOWN_FIELDS]]
-            more = len(self.model_extra) - len(names)
-            logger.warning("ignored request fields this server does not know: %s%s",
-                           ", ".join(map(repr, names)), f" and {more} more" if more else "")
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """The names of the request's fields this server does not know (and ignores)."""
+        return list(self.model_extra or ())
 
     @property
     def completions_per_prompt(self) -> int:

@@ -14,6 +14,7 @@ each choice's chunks under its ``index`` as they come.
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,12 @@ CLIENT_CLOSED_STATUS = 499
 # Threads that decode, validate and tokenize requests: at most this many requests take CPU
 # from the engine thread and the event loop at once; the others wait their turn.
 PREPARE_THREADS = 2
+# Each unknown request field name is logged as a warning the first time it is seen, for up to
+# this many names (later ones at debug level): clients sending ever new names cannot flood
+# the log.
+MAX_WARNED_UNKNOWN_FIELDS = 1000
+# The characters of an unknown field name shown in the log.
+MAX_LOGGED_FIELD_NAME_CHARS = 60
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -91,6 +98,8 @@ class OpenAIServing:
         self.max_prompt_text_bytes = (None if bytes_per_token is None
                                       else bytes_per_token * self.max_model_len)
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="neo-prepare")
+        self.warned_unknown_fields: set[str] = set()  # guarded by unknown_fields_lock
+        self.unknown_fields_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the preparing threads: requests being prepared finish, queued ones are
@@ -111,6 +120,7 @@ class OpenAIServing:
     def _prepare_completion(self, body: bytes) -> PreparedRequest:
         request = parse_request(CompletionRequest, decode_json(body))
         self._check_model(request)
+        self._log_unknown_fields(request)
         prompt_ids = [self._encode(prompt, "prompt", add_special_tokens=True)
                       if isinstance(prompt, str) else list(prompt)
                       for prompt in request.prompts()]
@@ -121,6 +131,7 @@ class OpenAIServing:
     def _prepare_chat(self, body: bytes) -> PreparedRequest:
         request = parse_request(ChatCompletionRequest, decode_json(body))
         self._check_model(request)
+        self._log_unknown_fields(request)
         if self.tokenizer is None:
             raise ProtocolError(f"model {self.model_name!r} has no tokenizer, so it has no chat "
                                 f"template: use /v1/completions with token id prompts", "messages")
@@ -149,6 +160,22 @@ class OpenAIServing:
         if request.model is not None and request.model != self.model_name:
             raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
                                 f"{self.model_name!r}", "model", status=404, code="model_not_found")
+
+    def _log_unknown_fields(self, request) -> None:
+        """Warn about the request's unknown fields not warned about before (they are ignored,
+        as vLLM ignores them)."""
+        names = request.unknown_fields
+        if not names:
+            return
+        with self.unknown_fields_lock:
+            room = MAX_WARNED_UNKNOWN_FIELDS - len(self.warned_unknown_fields)
+            warned = [name for name in names if name not in self.warned_unknown_fields][:room]
+            self.warned_unknown_fields.update(warned)
+        if warned:
+            logger.warning("ignored request fields this server does not know: %s",
+                           ", ".join(repr(name[:MAX_LOGGED_FIELD_NAME_CHARS]) for name in warned))
+        logger.debug("request fields ignored: %s",
+                     ", ".join(repr(name[:MAX_LOGGED_FIELD_NAME_CHARS]) for name in names))
 
     def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt text; ``field`` names it in errors. A text longer in bytes
