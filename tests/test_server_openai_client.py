@@ -211,8 +211,11 @@ CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"},
     "min_tokens": 3,
     "repetition_penalty": 1.2,
+    "continue_final_message": True,
+    "guided_choice": ["yes", "no"],
 }
-COMPLETION_REFUSED = {"echo": True, "suffix": "tail", "best_of": 2, "logprobs": 1, "n": 3}
+COMPLETION_REFUSED = {"echo": True, "suffix": "tail", "best_of": 2, "logprobs": 1, "n": 3,
+                      "response_format": {"type": "json_object"}}
 
 
 @pytest.mark.parametrize("field", list(CHAT_REFUSED))

@@ -11,8 +11,8 @@ Each documented OpenAI request field falls in one of three groups:
   any value but the one that turns them off is a 400 naming the field (``OFF_VALUES``).
 
 A field this server does not know is ignored, as vLLM does (``unknown_fields`` lists them for
-the server's log). Value checks are left to ``SamplingParams`` so each rule has one home. Extensions to
-OpenAI's API: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
+the server's log). Value checks are left to ``SamplingParams`` so each rule has one home.
+Extensions to OpenAI's API: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
 choice and stream chunk then carries the new token ids as ``token_ids``, useful for models
 without a tokenizer).
 
@@ -90,6 +90,11 @@ OFF_VALUES: dict[str, Callable[[object], bool]] = {
     "guided_regex": lambda value: value is None,
     "guided_choice": lambda value: value is None,
     "guided_grammar": lambda value: value is None,
+    "structural_tag": lambda value: value is None,
+    "logits_processors": _is_none_or_empty,
+    "use_beam_search": _is_none_or(False),
+    "spaces_between_special_tokens": _is_none_or(True),
+    "response_format": _is_text_format,
     "prompt_logprobs": lambda value: value is None,
     "truncate_prompt_tokens": lambda value: value is None,
     # /v1/completions
@@ -100,10 +105,14 @@ OFF_VALUES: dict[str, Callable[[object], bool]] = {
     "logprobs": _is_none_or(False),
     "top_logprobs": _is_none_or(0),
     "tools": _is_none_or_empty,
-    "tool_choice": _is_none_or("none"),
+    "tool_choice": _is_none_or("none", "auto"),  # "auto" without tools: no tool call
     "functions": _is_none_or_empty,
-    "function_call": _is_none_or("none"),
-    "response_format": _is_text_format,
+    "function_call": _is_none_or("none", "auto"),
+    "add_generation_prompt": _is_none_or(True),
+    "continue_final_message": _is_none_or(False),
+    "chat_template": lambda value: value is None,
+    "chat_template_kwargs": _is_none_or_empty,
+    "documents": _is_none_or_empty,
     "modalities": _is_text_only,
     "audio": lambda value: value is None,
     "web_search_options": lambda value: value is None,
@@ -136,6 +145,7 @@ class _SamplingFields(BaseModel):
     safety_identifier: str | None = None
     request_id: str | None = None
     priority: int | None = None
+    cache_salt: str | None = None
     # Refused unless off (OFF_VALUES).
     n: int | None = None
     presence_penalty: float | None = None
@@ -152,6 +162,11 @@ class _SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structural_tag: Any = None
+    logits_processors: list | None = None
+    use_beam_search: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    response_format: dict | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -288,6 +303,8 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    prompt_cache_retention: str | None = None
+    include_reasoning: bool | None = None
     # Refused unless off (OFF_VALUES).
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -295,11 +312,15 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
     modalities: list[str] | None = None
     audio: dict | None = None
     web_search_options: dict | None = None
     echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list | None = None
 
     def check(self) -> None:
         super().check()
