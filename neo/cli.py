@@ -4,12 +4,12 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 
 from .config import HOST_PIPELINES, POLICIES, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
+from .server.arguments import add_server_arguments
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,13 +107,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import serve
-    from .server.settings import ServerSettings
+    from .server.arguments import server_settings_from_args
 
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
-                              max_request_body_bytes=args.max_request_body_bytes,
-                              body_read_timeout_seconds=args.body_read_timeout,
-                              keep_alive_timeout_seconds=args.keep_alive_timeout)
-    serve(engine_config_from_args(args), settings)
+    serve(engine_config_from_args(args), server_settings_from_args(args))
     return 0
 
 
@@ -153,18 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("NEO_API_KEY"),
-                       help="require 'Authorization: Bearer <key>' on every route but /health and "
-                            "/metrics (default: the NEO_API_KEY environment variable, else none)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=None,
-                       help="refuse larger request bodies with 413 (default: 32 bytes per token "
-                            "of the model's context, at least 1 MiB)")
-    serve.add_argument("--body-read-timeout", type=float, default=30.0,
-                       help="seconds a request body may take to arrive before 408")
-    serve.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open")
+    add_server_arguments(serve)
     serve.set_defaults(handler=_serve)
     return parser
 

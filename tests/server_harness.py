@@ -203,7 +203,9 @@ def post(server: LiveServer, path: str, body: dict) -> httpx.Response:
 def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
     """Strict parse of the text exposition format: ``{name: {sorted label items: value}}``.
 
-    Each family has one HELP and one TYPE line before its samples; counters end in _total.
+    Each family has one HELP and one TYPE line before its samples; counters end in _total; a
+    histogram's samples are ``<name>_bucket`` (with ``le``), ``<name>_sum`` and
+    ``<name>_count``, filed under ``<name>``'s family with the suffix as a ``sample`` label.
     """
     name_pattern = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
     sample = re.compile(rf"^({name_pattern})(?:\{{(.*)\}})? (\S+)$")
@@ -220,7 +222,7 @@ def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
         elif line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ")
             assert name in helps and name not in types, line
-            assert kind in ("counter", "gauge"), line
+            assert kind in ("counter", "gauge", "histogram"), line
             assert kind != "counter" or name.endswith("_total"), line
             types[name] = kind
             families[name] = {}
@@ -228,8 +230,13 @@ def parse_prometheus(text: str) -> dict[str, dict[tuple, float]]:
             match = sample.match(line)
             assert match, f"not a sample line: {line!r}"
             name, labels_text, value = match.groups()
+            found = label.findall(labels_text or "")
+            suffix = re.fullmatch(r"(.*)_(bucket|sum|count)", name)
+            if suffix and types.get(suffix[1]) == "histogram":
+                name = suffix[1]
+                found.append(("sample", suffix[2]))
             assert name in types, f"sample before its TYPE line: {line!r}"
-            labels = tuple(sorted(label.findall(labels_text or "")))
+            labels = tuple(sorted(found))
             assert labels not in families[name], f"duplicate sample: {line!r}"
             families[name][labels] = float(value)
     return families
@@ -250,3 +257,15 @@ async def wait_for_idle(client: httpx.AsyncClient, timeout: float = 30.0) -> dic
             return families
         assert time.monotonic() < deadline, "the server did not become idle"
         await asyncio.sleep(0.05)
+
+
+def histogram_buckets(families, name: str) -> list[tuple[float, float]]:
+    """``[(upper bound, cumulative count), ...]`` of a parsed histogram, +Inf last; checks
+    that the counts never decrease and that +Inf equals ``_count``."""
+    buckets = sorted((float(dict(labels)["le"]), value)
+                     for labels, value in families[name].items()
+                     if dict(labels)["sample"] == "bucket")
+    counts = [count for _, count in buckets]
+    assert counts == sorted(counts) and buckets[-1][0] == float("inf"), buckets
+    assert buckets[-1][1] == metric(families, name, sample="count")
+    return buckets

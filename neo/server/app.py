@@ -1,11 +1,17 @@
 """The FastAPI application and ``serve`` (what ``neo serve`` runs).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Every error is returned in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``; a request the client got wrong is
-answered 4xx and logged at most at debug level, so hostile clients cannot flood the log.
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. The model is served under
+``ServerSettings.served_model_name`` (default: the engine's ``config.model``). Every error is
+returned in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a request the
+client got wrong is answered 4xx and logged at most at debug level, so hostile clients cannot
+flood the log (request fields the server does not know are ignored, each name warned about
+once: ``serving.py``).
 With an API key set, all routes but ``/health`` and ``/metrics`` need it (``auth.py``).
 Request bodies are read within a size limit and a deadline (``request_body.py``).
+
+Start-up (``serve``): the listening socket is bound before the model loads, so a port in use
+ends the command at once; a banner is printed once the server listens.
 
 Shutdown (SIGINT/SIGTERM): the server stops accepting connections and the engine aborts the
 requests in flight, so each open stream ends at once with finish reason "abort"; then the
@@ -14,6 +20,7 @@ engine thread stops and the engine is closed.
 
 import contextlib
 import logging
+import socket
 import time
 
 import uvicorn
@@ -28,10 +35,12 @@ from neo.engine import LLMEngine
 from . import prometheus
 from .async_engine import AsyncEngine
 from .auth import ApiKeyMiddleware
-from .protocol import ProtocolError, model_card
+from .protocol import ProtocolError
+from .responses import model_card
 from .request_body import UnreadBodyMiddleware, declared_length, read_body
 from .serving import CLIENT_CLOSED_STATUS, OpenAIServing, error_response
 from .settings import ServerSettings
+from .startup import banner, bind_listening_socket, url_of
 from .streaming import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -40,9 +49,10 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
-def engine_info(engine: LLMEngine) -> dict[str, str]:
+def engine_info(engine: LLMEngine, served_model_name: str) -> dict[str, str]:
     """Labels of ``neo_engine_info``."""
-    return {"model": engine.config.model, "policy": engine.config.policy,
+    return {"model": engine.config.model, "served_model_name": served_model_name,
+            "policy": engine.config.policy,
             "device": device_name(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "max_model_len": str(engine.max_model_len)}
 
@@ -51,9 +61,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     """The application over ``async_engine``; its lifespan starts and stops the engine thread."""
     settings = settings or ServerSettings()
     engine = async_engine.engine
-    model_name = engine.config.model
+    model_name = settings.served_model_name or engine.config.model
     serving = OpenAIServing(async_engine, model_name)
-    info = engine_info(engine)
+    info = engine_info(engine, model_name)
     created = int(time.time())
     max_body_bytes = settings.body_limit(engine.max_model_len)
 
@@ -88,6 +98,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card(model_name, created, engine.max_model_len)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != model_name:
+            return error_response(404, f"the model {model_id!r} does not exist: this server "
+                                       f"serves {model_name!r}", "model", "model_not_found")
+        return JSONResponse(model_card(model_name, created, engine.max_model_len))
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,9 +142,15 @@ class _Server(uvicorn.Server):
     """uvicorn's server, which also tells the engine to abort what is in flight as soon as
     a shutdown signal arrives (uvicorn alone would wait for every stream to finish)."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine):
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, ready_message: str):
         super().__init__(config)
         self.async_engine = async_engine
+        self.ready_message = ready_message
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.ready_message, flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -144,11 +167,20 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings, **options) -> uvicorn
 
 
 def serve(engine_config: EngineConfig, settings: ServerSettings | None = None) -> None:
-    """Load the engine, then serve until SIGINT/SIGTERM."""
+    """Bind the port, load the engine, then serve until SIGINT/SIGTERM. Raises
+    ``startup.ListenError`` (a ``ValueError``) before loading anything when the port cannot be
+    bound."""
     settings = settings or ServerSettings()
-    async_engine = AsyncEngine(LLMEngine(engine_config))
-    config = uvicorn_config(build_app(async_engine, settings), settings)
+    listener = bind_listening_socket(settings.host, settings.port)
     try:
-        _Server(config, async_engine).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it is done
-        pass
+        async_engine = AsyncEngine(LLMEngine(engine_config))
+        config = uvicorn_config(build_app(async_engine, settings), settings)
+        ready_message = banner(async_engine.engine,
+                               settings.served_model_name or engine_config.model,
+                               url_of(settings.host, listener.getsockname()[1]))
+        try:
+            _Server(config, async_engine, ready_message).run(sockets=[listener])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it is done
+            pass
+    finally:
+        listener.close()

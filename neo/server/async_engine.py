@@ -11,8 +11,8 @@
 The event loop never waits for the engine: it only appends a command under a lock that the
 engine thread holds for a few instructions. The engine thread sleeps on a condition while
 there is nothing to do. Each pass of its loop applies the pending commands, runs one
-iteration, hands every output to its request's queue in one batch, and publishes an
-``EngineStats`` snapshot for ``/metrics``.
+iteration, hands every output to its request's queue in one batch, feeds the latency
+histograms (``latency.py``) and publishes an ``EngineStats`` snapshot for ``/metrics``.
 
 When another iteration follows at once, an iteration's outputs are handed out only once that
 next iteration's device work is queued (``LLMEngine.step``'s ``on_launched``): the event
@@ -38,6 +38,8 @@ from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
 
+from .latency import HistogramSnapshot, RequestLatencies
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,7 +57,8 @@ class EngineStats:
 
     counters: ``EngineMetrics.as_dict()``. token_window: ``(start time, output tokens at
     start, latest time, output tokens at latest)`` over the last ``window_seconds``
-    (``time.monotonic`` seconds).
+    (``time.monotonic`` seconds). histograms: the request latency histograms
+    (``RequestLatencies.snapshot``).
     """
 
     running: int
@@ -70,6 +73,7 @@ class EngineStats:
     counters: dict
     token_window: tuple[float, int, float, int]
     window_seconds: float
+    histograms: dict[str, HistogramSnapshot]
 
     def tokens_per_second(self, now: float) -> float:
         """Output tokens per second over the window ending ``now``; 0 once it saw none."""
@@ -131,6 +135,7 @@ class AsyncEngine:
         self._held: list[tuple[asyncio.Queue, object]] = []  # outputs waiting for the next launch
         self._stalled = False
         self._token_samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._latencies = RequestLatencies()
         self._stats = self._snapshot()
         # The engine thread works on the CUDA device current here (where the engine was built).
         self._cuda_device = torch.cuda.current_device() if engine.device.type == "cuda" else None
@@ -278,6 +283,7 @@ class AsyncEngine:
             elif isinstance(command, _Abort):
                 tracked = self._tracked.pop(command.request_id, None)
                 if tracked is not None:
+                    self._latencies.dropped(command.request_id)
                     self.engine.abort_request(command.request_id)
                     if command.notify:
                         deliveries.append((tracked.queue, self._final_output(tracked.request)))
@@ -299,6 +305,7 @@ class AsyncEngine:
                                                             f"request: {error}")))
         else:
             self._tracked[command.request_id] = _Tracked(command.queue, request)
+            self._latencies.added(request)
             self._stalled = False
 
     def _step(self, deliveries: list) -> None:
@@ -308,6 +315,7 @@ class AsyncEngine:
             self._publish(deliveries[:])
             deliveries.clear()
 
+        started = time.monotonic()
         try:
             outputs = self.engine.step(on_launched=hand_out)
         except Exception as error:
@@ -315,14 +323,18 @@ class AsyncEngine:
             self._end_failed_requests(error, deliveries)
             return
         self._stalled = not outputs
+        self._latencies.iteration_ran(started)
+        now = time.monotonic()
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
             if output.error is not None:  # the engine ended it: its work failed
+                self._latencies.dropped(output.request_id)
                 deliveries.append((tracked.queue, RequestFailed(f"the engine failed running this request: "
                                                                 f"{output.error}")))
             else:
+                self._latencies.output(tracked.request, output.finished, now)
                 deliveries.append((tracked.queue, output))
             if output.finished:
                 del self._tracked[output.request_id]
@@ -334,6 +346,7 @@ class AsyncEngine:
         logger.error("an engine step failed outside any request's work: ending all %d requests",
                      len(self._tracked))
         for request_id, tracked in self._tracked.items():
+            self._latencies.dropped(request_id)
             self.engine.abort_request(request_id, reason="error")
             deliveries.append((tracked.queue, RequestFailed(f"the engine failed: {error}")))
         self._tracked.clear()
@@ -342,6 +355,7 @@ class AsyncEngine:
         """End every tracked request: with ``reason_error`` delivered, or else a final
         "abort" output."""
         for request_id, tracked in self._tracked.items():
+            self._latencies.dropped(request_id)
             self.engine.abort_request(request_id)
             item = reason_error if reason_error is not None else self._final_output(tracked.request)
             deliveries.append((tracked.queue, item))
@@ -388,4 +402,5 @@ class AsyncEngine:
             host_blocks_total=pools[KVLocation.HOST].num_blocks,
             counters=dataclasses.asdict(engine.metrics),
             token_window=(*samples[0], *samples[-1]),
-            window_seconds=self.stats_window_seconds)
+            window_seconds=self.stats_window_seconds,
+            histograms=self._latencies.snapshot())

@@ -10,7 +10,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .protocol import error_body
+from .responses import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

@@ -1,8 +1,16 @@
-"""``/metrics``: engine state in the Prometheus text exposition format (version 0.0.4)."""
+"""``/metrics``: engine state in the Prometheus text exposition format (version 0.0.4).
 
+The request latency histograms carry vLLM's names under the ``neo:`` prefix
+(``neo:time_to_first_token_seconds``, ``neo:inter_token_latency_seconds``,
+``neo:e2e_request_latency_seconds``, ``neo:request_queue_time_seconds``), so dashboards
+written for vLLM need only the prefix changed.
+"""
+
+import itertools
 import time
 
 from .async_engine import EngineStats
+from .latency import HistogramSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,6 +33,15 @@ COUNTER_HELP = {
     "schedule_seconds": "Seconds spent scheduling iterations.",
 }
 
+# RequestLatencies.snapshot() key -> help text; each is exported as the histogram neo:<key>.
+HISTOGRAM_HELP = {
+    "time_to_first_token_seconds": "Time from a request's arrival to its first output token.",
+    "inter_token_latency_seconds": "Time between two successive output tokens of a request.",
+    "e2e_request_latency_seconds": "Time from a request's arrival to its last output token.",
+    "request_queue_time_seconds": "Time from a request's arrival to the first iteration that "
+                                  "scheduled it.",
+}
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -41,6 +58,16 @@ class _Exposition:
         for labels, value in samples:
             label_text = ",".join(f'{key}="{_escape(text)}"' for key, text in labels.items())
             self.lines.append(f"{name}{{{label_text}}} {value!r}" if labels else f"{name} {value!r}")
+
+    def histogram(self, name: str, help_text: str, histogram: HistogramSnapshot) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} histogram")
+        cumulative = list(itertools.accumulate(histogram.counts))
+        for bound, count in zip(histogram.bounds, cumulative):
+            self.lines.append(f'{name}_bucket{{le="{float(bound)!r}"}} {float(count)!r}')
+        self.lines.append(f'{name}_bucket{{le="+Inf"}} {float(cumulative[-1])!r}')
+        self.lines.append(f"{name}_sum {float(histogram.total)!r}")
+        self.lines.append(f"{name}_count {float(cumulative[-1])!r}")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
@@ -83,4 +110,6 @@ def render(stats: EngineStats, info: dict[str, str], now: float | None = None) -
     for field, value in stats.counters.items():
         out.metric(f"neo_{field}_total", "counter",
                    COUNTER_HELP.get(field, f"Engine counter {field}."), [({}, float(value))])
+    for key, histogram in stats.histograms.items():
+        out.histogram(f"neo:{key}", HISTOGRAM_HELP[key], histogram)
     return out.text()

@@ -1,16 +1,36 @@
-"""The OpenAI-compatible request bodies, and the JSON bodies of responses and errors.
+"""The OpenAI-compatible request bodies.
 
-Request fields are typed strictly and unknown fields are rejected; value checks are left to
-``SamplingParams`` so each rule has one home. Extensions to OpenAI's API: ``top_k``,
-``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each choice and stream chunk then
-carries the new token ids as ``token_ids``, useful for models without a tokenizer).
+Each documented OpenAI request field falls in one of three groups:
+
+- served: the fields the engine acts on (``max_tokens``, ``temperature``, ``stop``, ...);
+- accepted and ignored: fields that do not change the output (``metadata``, ``store``,
+  ``service_tier``, ``user``, ``parallel_tool_calls``, ``prediction``, ...); their types are
+  still checked;
+- refused unless off: fields that would change the output and that this server does not
+  implement (``tools``, a JSON ``response_format``, ``logit_bias``, ``echo``, penalties, ...):
+  any value but the one that turns them off is a 400 naming the field (``OFF_VALUES``).
+
+A field this server does not know is ignored, as vLLM does (``unknown_fields`` lists them for
+the server's log). Value checks are left to ``SamplingParams`` so each rule has one home.
+Extensions to OpenAI's API: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
+choice and stream chunk then carries the new token ids as ``token_ids``, useful for models
+without a tokenizer).
+
+``/v1/completions`` takes a batch of prompts (a list of strings or of token id lists): each
+prompt is its own engine request and its choices follow the prompt's position.
 """
 
-import time
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from neo.sampling_params import SamplingParams
+
+# The most prompts one /v1/completions request may carry.
+MAX_BATCH_PROMPTS = 256
+# The characters of a refused value shown in its error message.
+MAX_SHOWN_VALUE_CHARS = 80
 
 
 class ProtocolError(ValueError):
@@ -29,55 +49,157 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+def _is_none_or_empty(value) -> bool:
+    return value is None or value == {} or value == [] or value == ""
+
+
+def _is_none_or(*off_values) -> Callable[[object], bool]:
+    return lambda value: value is None or any(value == off and type(value) is type(off)
+                                              for off in off_values)
+
+
+def _is_text_format(value) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _is_text_only(value) -> bool:
+    return value is None or (isinstance(value, list) and all(kind == "text" for kind in value))
+
+
+# Fields that would change the output, by the test of their "off" value. n, the penalties,
+# min_tokens, repetition_penalty and logprobs/top_logprobs are the engine's to implement.
+OFF_VALUES: dict[str, Callable[[object], bool]] = {
+    "n": _is_none_or(1),
+    "presence_penalty": _is_none_or(0.0, 0),
+    "frequency_penalty": _is_none_or(0.0, 0),
+    "repetition_penalty": _is_none_or(1.0, 1),
+    "min_tokens": _is_none_or(0),
+    "min_p": _is_none_or(0.0, 0),
+    "logit_bias": _is_none_or_empty,
+    "allowed_token_ids": lambda value: value is None,
+    "bad_words": _is_none_or_empty,
+    "include_stop_str_in_output": _is_none_or(False),
+    "skip_special_tokens": _is_none_or(True),
+    "guided_json": lambda value: value is None,
+    "guided_regex": lambda value: value is None,
+    "guided_choice": lambda value: value is None,
+    "guided_grammar": lambda value: value is None,
+    "structural_tag": lambda value: value is None,
+    "logits_processors": _is_none_or_empty,
+    "use_beam_search": _is_none_or(False),
+    "spaces_between_special_tokens": _is_none_or(True),
+    "response_format": _is_text_format,
+    "prompt_logprobs": lambda value: value is None,
+    "truncate_prompt_tokens": lambda value: value is None,
+    # /v1/completions
+    "echo": _is_none_or(False),
+    "suffix": _is_none_or_empty,
+    "best_of": _is_none_or(1),
+    # /v1/chat/completions (logprobs too: an int on completions, a bool on chat)
+    "logprobs": _is_none_or(False),
+    "top_logprobs": _is_none_or(0),
+    "tools": _is_none_or_empty,
+    "tool_choice": _is_none_or("none", "auto"),  # "auto" without tools: no tool call
+    "functions": _is_none_or_empty,
+    "function_call": _is_none_or("none", "auto"),
+    "add_generation_prompt": _is_none_or(True),
+    "continue_final_message": _is_none_or(False),
+    "chat_template": lambda value: value is None,
+    "chat_template_kwargs": _is_none_or_empty,
+    "documents": _is_none_or_empty,
+    "modalities": _is_text_only,
+    "audio": lambda value: value is None,
+    "web_search_options": lambda value: value is None,
+}
+
+
+class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # Accepted and ignored: they do not change the output.
     user: str | None = None
-    # Accepted only with the value that turns them off.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    request_id: str | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    # Refused unless off (OFF_VALUES).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
-
-    def _unsupported(self) -> dict[str, object]:
-        """Fields that must keep their "off" value: ``{name: off value}``."""
-        return {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None}
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    logits_processors: list | None = None
+    use_beam_search: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    response_format: dict | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def check(self) -> None:
         """Reject what this server does not do, with the field named."""
-        for name, off in self._unsupported().items():
-            value = getattr(self, name)
-            if value != off and not (off is None and not value):
-                raise ProtocolError(f"'{name}' is not supported by this server (got {value!r})", name)
-        if self.n != 1:
-            raise ProtocolError(f"n must be 1: this server returns one completion per request "
-                                f"(got {self.n})", "n")
+        for name, is_off in OFF_VALUES.items():
+            if name in type(self).model_fields and not is_off(getattr(self, name)):
+                shown = repr(getattr(self, name))
+                if len(shown) > MAX_SHOWN_VALUE_CHARS:
+                    shown = shown[:MAX_SHOWN_VALUE_CHARS] + "..."
+                raise ProtocolError(f"'{name}' is not supported by this server (got {shown})",
+                                    name)
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true",
                                 "stream_options")
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """The names of the request's fields this server does not know (and ignores)."""
+        return list(self.model_extra or ())
+
+    @property
+    def completions_per_prompt(self) -> int:
+        """Choices per prompt (``n``)."""
+        return self.n or 1
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message and
         the field it refuses."""
         max_tokens = self.requested_max_tokens()
         values = dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                      temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                      temperature=1.0 if self.temperature is None else self.temperature,
+                      top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                       seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
                       stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                       ignore_eos=self.ignore_eos)
@@ -108,40 +230,42 @@ class _SamplingFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list holding
-    exactly one of those."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a batch: a list
+    of strings or a list of token id lists."""
 
     prompt: str | list
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
     logprobs: int | None = None
 
-    def _unsupported(self) -> dict[str, object]:
-        return super()._unsupported() | {"echo": False, "suffix": None, "logprobs": None}
-
-    def check(self) -> None:
-        super().check()
-        if self.best_of not in (None, 1):
-            raise ProtocolError(f"best_of must be 1 (got {self.best_of})", "best_of")
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (the engine checks the ids' range)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order, each text or token ids (the engine checks the ids' range)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ProtocolError(f"a request holds one prompt; got a batch of {len(prompt)}: "
-                                    f"send one request per prompt", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ProtocolError("the prompt is empty", "prompt")
-            return prompt
-        if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-            raise ProtocolError("prompt must be a string, a list of integer token ids, or a list "
-                                "holding one of those", "prompt")
-        return prompt
+        if isinstance(prompt, str) or _is_token_ids(prompt) and prompt:
+            batch = [prompt]
+        elif prompt and (all(isinstance(item, str) for item in prompt)
+                         or all(_is_token_ids(item) for item in prompt)):
+            batch = prompt
+        elif not prompt:
+            raise ProtocolError("the prompt is empty", "prompt")
+        else:
+            raise ProtocolError("prompt must be a string, a list of integer token ids, or a "
+                                "batch: a list of strings or a list of token id lists", "prompt")
+        if len(batch) > MAX_BATCH_PROMPTS:
+            raise ProtocolError(f"prompt holds a batch of {len(batch)} prompts: this server "
+                                f"takes at most {MAX_BATCH_PROMPTS} per request", "prompt")
+        for position, item in enumerate(batch):
+            if not item:
+                where = "" if len(batch) == 1 else f" (batch position {position})"
+                raise ProtocolError(f"the prompt is empty{where}", "prompt")
+        return batch
 
 
 class TextPart(_Strict):
@@ -174,11 +298,29 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # Accepted and ignored: they do not change the output (no tools are ever given: see tools).
+    parallel_tool_calls: bool | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_retention: str | None = None
+    include_reasoning: bool | None = None
+    # Refused unless off (OFF_VALUES).
     logprobs: bool | None = None
     top_logprobs: int | None = None
-
-    def _unsupported(self) -> dict[str, object]:
-        return super()._unsupported() | {"logprobs": None, "top_logprobs": None}
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    documents: list | None = None
 
     def check(self) -> None:
         super().check()
@@ -234,75 +376,3 @@ def _field_path(body: dict, location: tuple, missing: bool) -> str:
             value = value[part]
     return ".".join(parts)
 
-
-# -- responses -----------------------------------------------------------------------------------
-
-
-def error_body(message: str, error_type: str, param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def model_card(name: str, created: int, max_model_len: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "neo",
-            "max_model_len": max_model_len}
-
-
-class ResponseShape:
-    """Builds the JSON bodies of one completion or chat completion.
-
-    chat: chat completion shapes (``message``/``delta``) instead of ``text``.
-    return_token_ids: add ``token_ids`` to each choice.
-    """
-
-    def __init__(self, request_id: str, model: str, chat: bool, return_token_ids: bool):
-        self.request_id = request_id
-        self.model = model
-        self.chat = chat
-        self.return_token_ids = return_token_ids
-        self.created = int(time.time())
-
-    def _envelope(self, kind: str) -> dict:
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
-
-    def response(self, text: str, token_ids: list[int], finish_reason: str | None,
-                 usage_counts: dict) -> dict:
-        """The body of a non-streamed response."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        return body | {"choices": [choice], "usage": usage_counts}
-
-    def chunk(self, text: str, token_ids: list[int], finish_reason: str | None,
-              include_usage: bool, first: bool = False) -> dict:
-        """One stream chunk carrying new text/tokens; ``first`` adds the chat role."""
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion.chunk")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        body["choices"] = [choice]
-        if include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage_counts: dict) -> dict:
-        """The last chunk when the client asked for usage: no choices."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind) | {"choices": [], "usage": usage_counts}

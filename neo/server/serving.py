@@ -6,10 +6,15 @@ rendering the chat template and tokenizing run on a small pool of threads, never
 loop, and a text too long in bytes to fit the model's context in any tokenization is refused
 before it is tokenized. The response waits for the first output before it starts: a rejected
 request then still gets its 400, and a client that leaves while its request is queued aborts it.
+
+A request with a batch of prompts (``/v1/completions``) runs one engine request per prompt; its
+choices come from each prompt's ``RequestOutput.outputs`` in prompt order, and a stream carries
+each choice's chunks under its ``index`` as they come.
 """
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,15 +28,8 @@ from neo.sampling_params import SamplingParams
 
 from .async_engine import AsyncEngine, EngineStopped, RequestFailed
 from .detokenizer import IncrementalDetokenizer
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ProtocolError,
-    ResponseShape,
-    error_body,
-    parse_request,
-    usage,
-)
+from .protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
+from .responses import ResponseShape, error_body, usage
 from .request_body import decode_json
 from .streaming import (
     DONE_EVENT,
@@ -50,6 +48,12 @@ CLIENT_CLOSED_STATUS = 499
 # Threads that decode, validate and tokenize requests: at most this many requests take CPU
 # from the engine thread and the event loop at once; the others wait their turn.
 PREPARE_THREADS = 2
+# Each unknown request field name is logged as a warning the first time it is seen, for up to
+# this many names (later ones at debug level): clients sending ever new names cannot flood
+# the log.
+MAX_WARNED_UNKNOWN_FIELDS = 1000
+# The characters of an unknown field name shown in the log.
+MAX_LOGGED_FIELD_NAME_CHARS = 60
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -63,11 +67,11 @@ def error_response(status: int, message: str, param: str | None = None,
 
 @dataclass
 class PreparedRequest:
-    """A request checked and ready for the engine: ``prompt_ids`` and ``params`` are what the
-    engine runs, ``shape`` builds the responses."""
+    """A request checked and ready for the engine: one engine request per entry of
+    ``prompt_ids``, each run with ``params``; ``shape`` builds the responses."""
 
     request: CompletionRequest | ChatCompletionRequest
-    prompt_ids: list[int]
+    prompt_ids: list[list[int]]
     params: SamplingParams
     shape: ResponseShape
 
@@ -94,6 +98,8 @@ class OpenAIServing:
         self.max_prompt_text_bytes = (None if bytes_per_token is None
                                       else bytes_per_token * self.max_model_len)
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="neo-prepare")
+        self.warned_unknown_fields: set[str] = set()  # guarded by unknown_fields_lock
+        self.unknown_fields_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the preparing threads: requests being prepared finish, queued ones are
@@ -114,11 +120,10 @@ class OpenAIServing:
     def _prepare_completion(self, body: bytes) -> PreparedRequest:
         request = parse_request(CompletionRequest, decode_json(body))
         self._check_model(request)
-        prompt = request.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = self._encode(prompt, "prompt", add_special_tokens=True)
-        else:
-            prompt_ids = list(prompt)
+        self._log_unknown_fields(request)
+        prompt_ids = [self._encode(prompt, "prompt", add_special_tokens=True)
+                      if isinstance(prompt, str) else list(prompt)
+                      for prompt in request.prompts()]
         shape = ResponseShape(f"cmpl-{uuid.uuid4().hex}", self.model_name, chat=False,
                               return_token_ids=request.return_token_ids)
         return self._with_params(request, prompt_ids, COMPLETION_DEFAULT_MAX_TOKENS, shape)
@@ -126,6 +131,7 @@ class OpenAIServing:
     def _prepare_chat(self, body: bytes) -> PreparedRequest:
         request = parse_request(ChatCompletionRequest, decode_json(body))
         self._check_model(request)
+        self._log_unknown_fields(request)
         if self.tokenizer is None:
             raise ProtocolError(f"model {self.model_name!r} has no tokenizer, so it has no chat "
                                 f"template: use /v1/completions with token id prompts", "messages")
@@ -139,9 +145,9 @@ class OpenAIServing:
         shape = ResponseShape(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, chat=True,
                               return_token_ids=request.return_token_ids)
         default_max_tokens = max(1, self.max_model_len - len(prompt_ids))
-        return self._with_params(request, prompt_ids, default_max_tokens, shape)
+        return self._with_params(request, [prompt_ids], default_max_tokens, shape)
 
-    def _with_params(self, request, prompt_ids: list[int], default_max_tokens: int,
+    def _with_params(self, request, prompt_ids: list[list[int]], default_max_tokens: int,
                      shape: ResponseShape) -> PreparedRequest:
         params = request.sampling_params(default_max_tokens)
         if params.stop and self.tokenizer is None:
@@ -154,6 +160,22 @@ class OpenAIServing:
         if request.model is not None and request.model != self.model_name:
             raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
                                 f"{self.model_name!r}", "model", status=404, code="model_not_found")
+
+    def _log_unknown_fields(self, request) -> None:
+        """Warn about the request's unknown fields not warned about before (they are ignored,
+        as vLLM ignores them)."""
+        names = request.unknown_fields
+        if not names:
+            return
+        with self.unknown_fields_lock:
+            room = MAX_WARNED_UNKNOWN_FIELDS - len(self.warned_unknown_fields)
+            warned = [name for name in names if name not in self.warned_unknown_fields][:room]
+            self.warned_unknown_fields.update(warned)
+        if warned:
+            logger.warning("ignored request fields this server does not know: %s",
+                           ", ".join(repr(name[:MAX_LOGGED_FIELD_NAME_CHARS]) for name in warned))
+        logger.debug("request fields ignored: %s",
+                     ", ".join(repr(name[:MAX_LOGGED_FIELD_NAME_CHARS]) for name in names))
 
     def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt text; ``field`` names it in errors. A text longer in bytes
@@ -171,59 +193,132 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _serve(self, prepared: PreparedRequest, receive) -> Response:
-        request, prompt_ids, params, shape = (prepared.request, prepared.prompt_ids,
-                                              prepared.params, prepared.shape)
-        outputs = self.async_engine.generate(prompt_ids, params, shape.request_id)
+        request, params, shape = prepared.request, prepared.params, prepared.shape
+        streams = [self.async_engine.generate(prompt_ids, params, f"{shape.request_id}-{position}")
+                   for position, prompt_ids in enumerate(prepared.prompt_ids)]
         try:
-            first = await until_disconnect(anext(outputs), receive)
+            firsts = await until_disconnect(_gather_or_cancel(map(anext, streams)), receive)
         except ClientDisconnected:
+            await _close_all(streams)
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except (ValueError, RequestFailed, EngineStopped) as error:
+            await _close_all(streams)
             return _engine_error_response(error)
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, params.stop)
-                       if self.tokenizer is not None else None)
+        num_prompt_tokens = sum(map(len, prepared.prompt_ids))
         if request.stream:
-            events = self._events(first, outputs, shape, detokenizer, len(prompt_ids),
-                                  request.include_usage_in_stream)
+            events = self._events(firsts, streams, request.completions_per_prompt, shape,
+                                  params.stop, num_prompt_tokens, request.include_usage_in_stream)
             return EventStreamResponse(events)
         try:
-            final = await until_disconnect(_last(first, outputs), receive)
+            finals = await until_disconnect(
+                _gather_or_cancel(_last(first, stream) for first, stream in zip(firsts, streams)),
+                receive)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except (RequestFailed, EngineStopped) as error:
             return _engine_error_response(error)
-        completion = final.outputs[0]
-        return JSONResponse(shape.response(
-            completion.text, completion.token_ids, completion.finish_reason,
-            usage(len(prompt_ids), len(completion.token_ids))))
+        finally:
+            await _close_all(streams)
+        choices = [shape.choice(choice_index(position, completion.index,
+                                             request.completions_per_prompt),
+                                completion.text, completion.token_ids, completion.finish_reason)
+                   for position, final in enumerate(finals) for completion in final.outputs]
+        num_completion_tokens = sum(len(completion.token_ids) for final in finals
+                                    for completion in final.outputs)
+        return JSONResponse(shape.response(choices, usage(num_prompt_tokens,
+                                                          num_completion_tokens)))
 
-    async def _events(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                      shape: ResponseShape, detokenizer: IncrementalDetokenizer | None,
-                      num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
-        """One SSE event per batch of new tokens, then usage (if asked) and ``[DONE]``."""
-        num_sent = 0
-        output = first
+    async def _events(self, firsts: list[RequestOutput],
+                      streams: list[AsyncIterator[RequestOutput]], completions_per_prompt: int,
+                      shape: ResponseShape, stop: list[str], num_prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """One SSE event per choice's batch of new tokens (the choices' events interleave as
+        their tokens come), then usage (if asked) and ``[DONE]``."""
+        num_sent: dict[int, int] = {}  # choice index -> tokens sent
+        detokenizers: dict[int, IncrementalDetokenizer] = {}
+        merged = merge_outputs(firsts, streams)
         try:
-            while True:
-                completion = output.outputs[0]
-                new_ids = completion.token_ids[num_sent:]
-                num_sent = len(completion.token_ids)
-                text = ""
-                if detokenizer is not None:
-                    text = (detokenizer.finish(completion.text) if output.finished
-                            else detokenizer.update(completion.token_ids))
-                yield sse_event(shape.chunk(text, new_ids, completion.finish_reason,
-                                            include_usage, first=output is first))
-                if output.finished:
-                    break
-                output = await anext(outputs)
+            async for position, output in merged:
+                for completion in output.outputs:
+                    index = choice_index(position, completion.index, completions_per_prompt)
+                    first = index not in num_sent
+                    new_ids = completion.token_ids[num_sent.get(index, 0):]
+                    num_sent[index] = len(completion.token_ids)
+                    text = ""
+                    if self.tokenizer is not None:
+                        detokenizer = detokenizers.setdefault(
+                            index, IncrementalDetokenizer(self.tokenizer, stop))
+                        text = (detokenizer.finish(completion.text) if output.finished
+                                else detokenizer.update(completion.token_ids))
+                    yield sse_event(shape.chunk(index, text, new_ids, completion.finish_reason,
+                                                include_usage, first=first))
             if include_usage:
-                yield sse_event(shape.usage_chunk(usage(num_prompt_tokens, num_sent)))
+                yield sse_event(shape.usage_chunk(usage(num_prompt_tokens,
+                                                        sum(num_sent.values()))))
         except (RequestFailed, EngineStopped) as error:
             yield sse_event(error_body(str(error), "server_error"))
         finally:
-            await outputs.aclose()
+            await merged.aclose()
+            await _close_all(streams)
         yield DONE_EVENT
+
+
+def choice_index(position: int, completion_index: int, completions_per_prompt: int) -> int:
+    """The response's choice index of completion ``completion_index`` of the prompt at batch
+    ``position``."""
+    return position * completions_per_prompt + completion_index
+
+
+async def merge_outputs(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(position, output)`` of several requests' output streams as the outputs arrive: each
+    first output (already read from its stream), then the rest. One read per unfinished
+    stream is pending at a time, so each stream still hands over only its newest output when
+    the reader falls behind. Raises what a stream raises; closing this iterator cancels the
+    pending reads. A single stream is read directly, without a task per read."""
+    if len(streams) == 1:
+        output = firsts[0]
+        yield 0, output
+        while not output.finished:
+            output = await anext(streams[0])
+            yield 0, output
+        return
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for position, first in enumerate(firsts):
+            yield position, first
+            if not first.finished:
+                pending[asyncio.ensure_future(anext(streams[position]))] = position
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=pending.__getitem__):
+                position = pending.pop(read)
+                output = read.result()
+                yield position, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(anext(streams[position]))] = position
+    finally:
+        for read in pending:
+            read.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _gather_or_cancel(awaitables) -> list:
+    """The results of ``awaitables`` run together; when one raises (or this is cancelled), the
+    others are cancelled before the error propagates."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    """Close every stream: an unfinished request is aborted."""
+    for stream in streams:
+        await stream.aclose()
 
 
 async def _last(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -27,6 +27,8 @@ def _is_integer(value) -> bool:
 class ServerSettings:
     """Settings of the HTTP server (the engine's are ``EngineConfig``).
 
+    served_model_name: the model id clients see in ``/v1/models`` and name in a request's
+        ``model`` (None: the engine's ``config.model``).
     api_key: when set, every route but ``/health`` and ``/metrics`` needs the header
         ``Authorization: Bearer <api_key>``.
     max_request_body_bytes: larger request bodies are refused with 413 (None:
@@ -38,6 +40,7 @@ class ServerSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    served_model_name: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int | None = None
     body_read_timeout_seconds: float = 30.0
@@ -46,6 +49,11 @@ class ServerSettings:
     def __post_init__(self):
         if not _is_integer(self.port) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        if self.served_model_name is not None and (
+                not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
+                or not self.served_model_name.isprintable()):
+            raise ValueError(f"served_model_name must be a non-empty printable string, got "
+                             f"{self.served_model_name!r}")
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
                                          or not self.api_key.isascii() or " " in self.api_key):
             raise ValueError("api_key must be a non-empty string of printable ASCII characters "
