@@ -123,6 +123,10 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="fraction of requests that must meet the objectives for a rate to "
                              f"count in the goodput rate (default: the sweep's, else "
                              f"{DEFAULT_GOODPUT_TARGET:g})")
+    parser.add_argument("--rate-axis", choices=("offered", "achieved"), default="offered",
+                        help="where a load level sits in the goodput and knee analyses: the rate "
+                             "asked for, or the arrival rate its requests were actually sent at "
+                             "(a short level's Poisson sample can be 20%% off the rate asked for)")
     parser.add_argument("--duration-per-rate", type=float, default=120.0,
                         help="seconds of arrivals per load level")
     parser.add_argument("--max-requests-per-rate", type=int, default=1000)
@@ -396,17 +400,19 @@ def report_sweep(results: dict, args, json_path: str) -> None:
     plots and the tables; saves the JSON."""
     objectives, target = objectives_and_target(args, results)
     results["summaries"] = resummarize(results, objectives)
+    position = load_position if args.rate_axis == "offered" else (lambda level: level["achieved_rate"])
     by_policy: dict[str, list[dict]] = {}
     for summary in results["summaries"]:
         by_policy.setdefault(summary["policy"], []).append(summary)
     results["goodput"] = None
     if objectives:
-        fractions = {policy: [(load_position(level), level["goodput"]["fraction"]) for level in levels
-                              if load_position(level) is not None and level["goodput"]["fraction"] is not None]
+        fractions = {policy: [(position(level), level["goodput"]["fraction"]) for level in levels
+                              if position(level) is not None and level["goodput"]["fraction"] is not None]
                      for policy, levels in by_policy.items()}
-        results["goodput"] = goodput_rates(fractions, REFERENCE_POLICY, target) | {"objectives_s": objectives}
-    curves = {policy: [(load_position(level), knee_value(level)) for level in levels
-                       if load_position(level) is not None]
+        results["goodput"] = goodput_rates(fractions, REFERENCE_POLICY, target) | {
+            "objectives_s": objectives, "rate_axis": args.rate_axis}
+    curves = {policy: [(position(level), knee_value(level)) for level in levels
+                       if position(level) is not None]
               for policy, levels in by_policy.items()}
     slo = args.slo_ms / 1000 if args.slo_ms is not None else None
     results["knee"] = knees(curves, REFERENCE_POLICY, args.knee_factor, slo)
@@ -505,7 +511,8 @@ def print_goodput_rates(goodput: dict | None) -> None:
     """Each policy's goodput rate and its ratio to the reference policy's."""
     if goodput is None:
         return
-    print(f"\ngoodput rate: the highest request rate at which >= {goodput['target']:.0%} of requests "
+    axis = "arrival rate achieved" if goodput.get("rate_axis") == "achieved" else "request rate"
+    print(f"\ngoodput rate: the highest {axis} at which >= {goodput['target']:.0%} of requests "
           f"meet the objectives (linear between the tested rates around the crossing)")
     meaning = {"exact": "", "at least": " (at least: met at every tested rate)",
                "below": " (below the lowest tested rate, which already misses the target)"}

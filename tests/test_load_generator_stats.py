@@ -193,3 +193,26 @@ def test_report_mode_analyzes_a_sweep_written_before_goodput(tmp_path):
     for name in ("latency-goodput-vs-rate", "latency-vs-rate", "latency-cdf"):
         with open(tmp_path / f"online-old-{name}.png", "rb") as file:
             assert file.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_mode_places_levels_at_the_achieved_arrival_rate(tmp_path):
+    """``--rate-axis achieved``: the goodput rate is interpolated over the arrival rates the
+    levels' requests were sent at, not the rates asked for."""
+    shutil.copy(OLD_SWEEP, tmp_path / "online-old-sweep.json")
+    completed = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "online.py"), "--mode", "report", "--tag", "old",
+         "--output-dir", str(tmp_path), "--goodput", "ttft:30", "tpot:5", "--rate-axis", "achieved"],
+        capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    with open(tmp_path / "online-old-sweep.json") as file:
+        results = json.load(file)
+    assert results["goodput"]["rate_axis"] == "achieved"
+    assert "highest arrival rate achieved" in completed.stdout
+    for policy in ("gpu-only", "neo"):
+        points = [(summary["achieved_rate"], summary["goodput"]["fraction"])
+                  for summary in results["summaries"] if summary["policy"] == policy]
+        assert all(rate != summary["rate"] for (rate, _), summary in zip(
+            points, [s for s in results["summaries"] if s["policy"] == policy]))
+        expected = online_stats.goodput_rate(points, results["goodput"]["target"])
+        assert results["goodput"]["policies"][policy]["rate"] == pytest.approx(expected["rate"])
+        assert results["goodput"]["policies"][policy]["bound"] == expected["bound"]
