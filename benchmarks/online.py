@@ -76,7 +76,7 @@ import traceback
 from online_client import ARRIVALS, PlannedRequest, plan_requests, run_load, single_request_token_times
 from online_plots import plot_field_metrics, plot_latency_cdf, plot_latency_vs_rate
 from online_server import ServerProcess, metric_value
-from online_stats import (compare_to_reference, goodput_rates, knee_value, knees, load_position,
+from online_stats import (compare_to_reference, goodput_rates, knee_value, knees, level_position,
                           parse_goodput, summarize)
 
 from neo.bench import release_device_memory
@@ -400,7 +400,8 @@ def report_sweep(results: dict, args, json_path: str) -> None:
     plots and the tables; saves the JSON."""
     objectives, target = objectives_and_target(args, results)
     results["summaries"] = resummarize(results, objectives)
-    position = load_position if args.rate_axis == "offered" else (lambda level: level["achieved_rate"])
+    def position(level: dict) -> float | None:
+        return level_position(level, args.rate_axis)
     by_policy: dict[str, list[dict]] = {}
     for summary in results["summaries"]:
         by_policy.setdefault(summary["policy"], []).append(summary)
@@ -425,9 +426,9 @@ def report_sweep(results: dict, args, json_path: str) -> None:
              + (f" (burstiness {burstiness:g})" if burstiness != 1.0 else "")
              + (f", at most {concurrency} in flight" if concurrency else ""))
     plot_field_metrics(by_policy, results["goodput"], title,
-                       output_path(args, "latency-goodput-vs-rate.png"))
+                       output_path(args, "latency-goodput-vs-rate.png"), args.rate_axis)
     plot_latency_vs_rate(by_policy, results["knee"], title,
-                         output_path(args, "latency-vs-rate.png"))
+                         output_path(args, "latency-vs-rate.png"), args.rate_axis)
     tested = sorted({summary["rate"] for summary in results["summaries"]
                      if summary["rate"] is not None})
     cdf_rate = choose_cdf_rate(args.cdf_rate, tested, results["knee"])

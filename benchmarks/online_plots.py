@@ -7,13 +7,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 import numpy as np  # noqa: E402
-from online_stats import load_position  # noqa: E402
+from online_stats import level_position  # noqa: E402
+
+# The x axis of the plots against load, by ``--rate-axis``.
+RATE_AXIS_LABELS = {"offered": "request rate (requests/s)",
+                    "achieved": "arrival rate achieved (requests/s)"}
 
 MILLISECONDS = 1000.0
 
 
 def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, title: str,
-                       path: str) -> None:
+                       path: str, rate_axis: str = "offered") -> None:
     """TTFT, TPOT and ITL (median, p90, p99; ms) and the fraction of requests meeting the
     goodput objectives against request rate: one color per policy, one line style per
     statistic. The goodput panel marks the target fraction and each policy's goodput rate."""
@@ -23,8 +27,8 @@ def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, t
     for axis, metric in zip(axes.flat, ("ttft", "tpot", "itl")):
         for policy, levels in summaries.items():
             for statistic, style in styles.items():
-                points = sorted((load_position(level), level[metric][statistic]) for level in levels
-                                if level[metric][statistic] is not None and load_position(level) is not None)
+                points = sorted((level_position(level, rate_axis), level[metric][statistic]) for level in levels
+                                if level[metric][statistic] is not None and level_position(level, rate_axis) is not None)
                 if points:
                     rates, values = zip(*points)
                     axis.plot(rates, np.asarray(values) * MILLISECONDS, linestyle=style, marker="o",
@@ -38,8 +42,8 @@ def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, t
             axis.text(0.5, 0.5, "not recorded in this sweep", ha="center", transform=axis.transAxes)
     axis = axes[1, 1]
     for policy, levels in summaries.items():
-        points = sorted((load_position(level), level["goodput"]["fraction"]) for level in levels
-                        if level["goodput"]["fraction"] is not None and load_position(level) is not None)
+        points = sorted((level_position(level, rate_axis), level["goodput"]["fraction"]) for level in levels
+                        if level["goodput"]["fraction"] is not None and level_position(level, rate_axis) is not None)
         if points:
             rates, fractions = zip(*points)
             axis.plot(rates, fractions, marker="o", color=colors[policy], label=policy)
@@ -58,7 +62,7 @@ def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, t
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=7)
     for axis in axes[1]:
-        axis.set_xlabel("request rate (requests/s)")
+        axis.set_xlabel(RATE_AXIS_LABELS[rate_axis])
     figure.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -66,20 +70,20 @@ def plot_field_metrics(summaries: dict[str, list[dict]], goodput: dict | None, t
 
 
 def plot_latency_vs_rate(summaries: dict[str, list[dict]], knee: dict | None, title: str,
-                         path: str) -> None:
+                         path: str, rate_axis: str = "offered") -> None:
     """Mean, p90 and p99 per-token latency (ms) against request rate, one curve per policy.
     The mean panel also shows the knee threshold and each policy's rate at it."""
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharex=True)
     for axis, statistic in zip(axes, ("mean", "p90", "p99")):
         for policy, levels in summaries.items():
-            points = sorted((load_position(level), level["per_token_latency"][statistic])
+            points = sorted((level_position(level, rate_axis), level["per_token_latency"][statistic])
                             for level in levels if level["per_token_latency"][statistic] is not None
-                            and load_position(level) is not None)
+                            and level_position(level, rate_axis) is not None)
             if points:
                 rates, values = zip(*points)
                 axis.plot(rates, np.asarray(values) * MILLISECONDS, marker="o", label=policy)
         axis.set_title(f"{statistic} per-token latency")
-        axis.set_xlabel("request rate (requests/s)")
+        axis.set_xlabel(RATE_AXIS_LABELS[rate_axis])
         axis.set_ylabel("latency / output tokens (ms)")
         axis.grid(True, alpha=0.3)
     if knee and knee.get("reference_threshold_s") is not None:

@@ -148,6 +148,12 @@ def load_position(summary: dict) -> float | None:
     return summary["rate"] if summary["rate"] is not None else summary["achieved_rate"]
 
 
+def level_position(summary: dict, rate_axis: str) -> float | None:
+    """A load level's place on the rate axis: "offered" (``load_position``) or "achieved"
+    (the arrival rate its requests were sent at)."""
+    return load_position(summary) if rate_axis == "offered" else summary["achieved_rate"]
+
+
 def goodput_rate(points: list[tuple[float, float]], target: float) -> dict:
     """The highest request rate at which a fraction >= ``target`` of requests meets the
     objectives.
