@@ -1,37 +1,98 @@
-"""The ``neo`` command: generate, bench, profile, serve."""
+"""The ``neo`` command: generate, bench, profile, serve.
+
+Every flag's value is checked by the parser (``cli_values``), so a mistyped value ends with the
+usage and one error line (status 2). Mistakes only the engine can see (an unknown model, a
+pool that does not fit) print ``neo: error: ...`` (status 2); Ctrl-C prints ``neo: interrupted``
+(status 130) after the engine has been closed.
+"""
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import sys
 
+from . import cli_values
 from .config import HOST_PIPELINES, POLICIES, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
 from .server.arguments import add_server_arguments
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+# neo bench's defaults per compute device: (requests, workload). The CPU's finish in seconds on
+# neo-tiny; the CUDA ones are the paper's offline setting.
+BENCH_DEFAULTS = {"cuda": (200, "synthetic:input=1000,output=300"),
+                  "cpu": (32, "synthetic:input=128,output=32")}
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to each flag's help, except for switches and flags whose default
+    is None (their help says what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose help shows the defaults; its subcommands' parsers are of the same
+    class, so they do too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def add_global_arguments(parser: argparse.ArgumentParser, default: object) -> None:
+    """Flags taken before or after the subcommand. A subcommand's copy has the default
+    ``argparse.SUPPRESS``, so it only sets the value when the flag is given there."""
+    parser.add_argument("--log-level", type=cli_values.log_level, default=default,
+                        help=f"logging level, any case: {', '.join(cli_values.LOG_LEVELS)}")
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field, with the same defaults."""
     defaults = EngineConfig()
+    cores = os.cpu_count() or 1
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model,
-                       help="neo-tiny, a shipped config name (with --load-format dummy), or a "
-                            "Hugging Face model directory")
-    group.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    group.add_argument("--dtype", default=defaults.dtype)
-    group.add_argument("--policy", default=defaults.policy, choices=POLICIES)
-    group.add_argument("--load-format", default=defaults.load_format, choices=("auto", "safetensors", "dummy"))
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-    group.add_argument("--gpu-kv-cache-gib", type=float, default=None)
-    group.add_argument("--cpu-kv-cache-gib", type=float, default=defaults.cpu_kv_cache_gib)
-    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--cpu-attention-threads", type=int, default=None)
-    group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false")
+                       help="neo-tiny (built-in, random weights), a shipped config name (with "
+                            "--load-format dummy), or a Hugging Face model directory")
+    group.add_argument("--device", type=cli_values.device, default=None,
+                       help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
+                       help="weights and KV dtype; auto: the checkpoint's on CUDA, float32 on the CPU")
+    group.add_argument("--policy", default=defaults.policy, choices=POLICIES,
+                       help="gpu-only: all KV on the compute device; neo: overflow requests decode "
+                            "on the host CPU when it pays; full-offload: every decode on the host")
+    group.add_argument("--load-format", default=defaults.load_format, choices=("auto", "safetensors", "dummy"),
+                       help="auto: safetensors for a directory, built-in weights for neo-tiny; "
+                            "dummy: random weights")
+    group.add_argument("--block-size", type=int, default=defaults.block_size, choices=BLOCK_SIZES,
+                       help="tokens per KV cache block")
+    group.add_argument("--gpu-kv-cache-gib", type=cli_values.positive_number, default=None,
+                       help="compute-device KV pool in GiB (default: what --gpu-memory-utilization "
+                            "leaves on CUDA, 1 GiB on the CPU)")
+    group.add_argument("--cpu-kv-cache-gib", type=cli_values.non_negative_number,
+                       default=defaults.cpu_kv_cache_gib,
+                       help="host KV pool in GiB (> 0 for the neo and full-offload policies)")
+    group.add_argument("--gpu-memory-utilization", type=cli_values.fraction,
+                       default=defaults.gpu_memory_utilization,
+                       help="share of the GPU's memory neo may use, in (0, 1]")
+    group.add_argument("--max-num-seqs", type=cli_values.integer_at_least(1), default=defaults.max_num_seqs,
+                       help="most requests in one iteration")
+    group.add_argument("--max-num-batched-tokens", type=cli_values.integer_at_least(1),
+                       default=defaults.max_num_batched_tokens, help="most tokens in one iteration")
+    group.add_argument("--max-model-len", type=cli_values.integer_at_least(2), default=None,
+                       help="longest sequence, prompt and output (default: the model's context)")
+    group.add_argument("--cpu-attention-threads", type=cli_values.integer_at_least(1, cores), default=None,
+                       help="threads for host decode attention (default: all cores but one)")
+    group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false",
+                       help="run every iteration eagerly (no CUDA graph replays)")
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
                        help="async: host decodes as their own batch beside the GPU's iterations; "
                             "lockstep: host decodes in each iteration's two sub-batches")
@@ -49,7 +110,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "machine, made on first use), zero, or a JSON path")
     group.add_argument("--trace", dest="trace_path", default=None,
                        help="write a per-iteration trace (JSON) here")
-    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--seed", type=int, default=defaults.seed, help="seed of dummy weights")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -61,35 +122,43 @@ def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    llm = LLM(**vars(engine_config_from_args(args)))
-    prompt = json.loads(args.prompt_token_ids) if args.prompt_token_ids else args.prompt
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed,
                             ignore_eos=args.ignore_eos)
-    output = llm.generate(prompt, params)[0]
-    completion = output.outputs[0]
-    if args.json:
-        print(json.dumps({"prompt": output.prompt, "prompt_token_ids": output.prompt_token_ids,
-                          "text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason}))
-    else:
-        if output.prompt is not None:
-            print(f"prompt: {output.prompt!r}")
-        print(f"prompt token ids: {output.prompt_token_ids}")
-        print(f"output token ids: {completion.token_ids}")
-        if llm.get_tokenizer() is not None:
-            print(f"output text: {completion.text!r}")
-        print(f"finish reason: {completion.finish_reason}")
-    llm.close()
+    llm = LLM(**vars(engine_config_from_args(args)))
+    try:
+        output = llm.generate(args.prompt_token_ids or args.prompt, params)[0]
+        completion = output.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": output.prompt, "prompt_token_ids": output.prompt_token_ids,
+                              "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            if output.prompt is not None:
+                print(f"prompt: {output.prompt!r}")
+            print(f"prompt token ids: {output.prompt_token_ids}")
+            print(f"output token ids: {completion.token_ids}")
+            if llm.get_tokenizer() is not None:
+                print(f"output text: {completion.text!r}")
+            print(f"finish reason: {completion.finish_reason}")
+    finally:
+        llm.close()
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import run_offline_benchmark
+    from .engine import LLMEngine
 
-    result = run_offline_benchmark(engine_config_from_args(args), args.workload, args.num_requests,
-                                   seed=args.workload_seed, show_progress=not args.json,
-                                   duration=args.duration)
+    config = engine_config_from_args(args)
+    default_requests, default_workload = BENCH_DEFAULTS[config.compute_device.type]
+    engine = LLMEngine(config)
+    try:
+        result = run_offline_benchmark(config, args.workload or default_workload,
+                                       args.num_requests or default_requests, seed=args.workload_seed,
+                                       show_progress=not args.json, engine=engine, duration=args.duration)
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -114,32 +183,44 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neo", description="LLM serving with CPU offloading of decode attention")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = CommandParser(
+        prog="neo", description="LLM serving with CPU offloading of decode attention. The default policy "
+        "is gpu-only (every request's KV cache and attention on the compute device); --policy neo moves "
+        "the decode attention and KV of the requests that overflow the device pool to the host CPU when "
+        "the scheduler estimates it pays, --policy full-offload moves every decode there.")
+    add_global_arguments(parser, default="WARNING")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate from one prompt")
     add_engine_arguments(generate)
-    generate.add_argument("--prompt", default="Hello, my name is")
-    generate.add_argument("--prompt-token-ids", default=None, help="JSON list of token ids (instead of --prompt)")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--sampling-seed", type=int, default=None)
-    generate.add_argument("--ignore-eos", action="store_true")
-    generate.add_argument("--json", action="store_true")
+    generate.add_argument("--prompt", default="Hello, my name is", help="prompt text")
+    generate.add_argument("--prompt-token-ids", type=cli_values.token_ids, default=None,
+                          help="JSON list of token ids (instead of --prompt)")
+    generate.add_argument("--max-tokens", type=cli_values.integer_at_least(1), default=32,
+                          help="most tokens to generate")
+    generate.add_argument("--temperature", type=cli_values.number, default=0.0,
+                          help="0 for greedy, else at least 0.01")
+    generate.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1: all")
+    generate.add_argument("--top-p", type=cli_values.number, default=1.0,
+                          help="keep the most likely tokens up to this probability mass, in (0, 1]")
+    generate.add_argument("--sampling-seed", type=int, default=None,
+                          help="seed of this request's sampling (default: unseeded)")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    generate.add_argument("--json", action="store_true", help="print the output as one JSON object")
     generate.set_defaults(handler=_generate)
 
     bench = commands.add_parser("bench", help="offline throughput: all requests at once")
     add_engine_arguments(bench)
-    bench.add_argument("--workload", default="synthetic:input=1000,output=300",
-                       help="synthetic:input=N,output=M or azure-code")
-    bench.add_argument("--num-requests", type=int, default=200)
-    bench.add_argument("--workload-seed", type=int, default=0)
-    bench.add_argument("--duration", type=float, default=None,
+    bench.add_argument("--workload", default=None,
+                       help="synthetic:input=N,output=M or azure-code (default: "
+                            f"{BENCH_DEFAULTS['cuda'][1]} on CUDA, {BENCH_DEFAULTS['cpu'][1]} on the CPU)")
+    bench.add_argument("--num-requests", type=cli_values.integer_at_least(1), default=None,
+                       help=f"requests submitted at once (default: {BENCH_DEFAULTS['cuda'][0]} on CUDA, "
+                            f"{BENCH_DEFAULTS['cpu'][0]} on the CPU)")
+    bench.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and their lengths")
+    bench.add_argument("--duration", type=cli_values.positive_number, default=None,
                        help="stop after this many seconds (steady throughput is still reported)")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(handler=_bench)
 
     profile = commands.add_parser("profile", help="measure stage times for the load-aware scheduler")
@@ -151,17 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_server_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    for command in commands.choices.values():
+        add_global_arguments(command, default=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    except KeyboardInterrupt:
+        pass  # reported below, once the interrupted frames (and progress bars) are gone
+    except (ValueError, OSError) as error:
         print(f"neo: error: {error}", file=sys.stderr)
         return 2
+    gc.collect()
+    print("neo: interrupted", file=sys.stderr)
+    return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

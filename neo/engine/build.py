@@ -31,6 +31,7 @@ from neo.sched.scheduler import Scheduler
 from neo.sched.stage_order import SEQUENTIAL, two_sub_batch_order
 from neo.tokenizer import load_tokenizer
 
+from .host_memory_check import available_host_bytes, check_host_memory
 from .stop import StopRule
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ def build(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
+    compute_pool_bytes = gpu_kv_cache_bytes(config, None, device, max_model_len) if device.type == "cpu" else 0
+    check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
+                      int(config.cpu_kv_cache_gib * GIB), available_host_bytes())
     model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed,
                        max_positions=max_model_len)
     tokenizer = load_tokenizer(config.model)

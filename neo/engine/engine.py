@@ -243,9 +243,11 @@ class LLMEngine:
         self._quiesce()
         reason = f"{what}: {type(error).__name__}: {error}"
         ended = [request for request in requests if not request.is_finished]
-        if ended:
-            logger.error("%d requests ended (%s): %s", len(ended), reason,
-                         ", ".join(request.request_id for request in ended), exc_info=error)
+        if ended:  # an interrupt (Ctrl-C) was asked for: no error, and its traceback is no news
+            interrupted = not isinstance(error, Exception)
+            logger.log(logging.INFO if interrupted else logging.ERROR, "%d requests ended (%s): %s", len(ended),
+                       reason, ", ".join(request.request_id for request in ended),
+                       exc_info=None if interrupted else error)
         for request in ended:
             request.error = reason
             self.abort_request(request.request_id, reason="error")
