@@ -11,9 +11,11 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import sys
 
 from . import cli_values
+from .bench.workloads import WORKLOAD_FORMS
 from .config import HOST_PIPELINES, POLICIES, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
@@ -212,14 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="offline throughput: all requests at once")
     add_engine_arguments(bench)
     bench.add_argument("--workload", default=None,
-                       help="synthetic:input=N,output=M or azure-code (default: "
+                       help=f"{WORKLOAD_FORMS} (default: "
                             f"{BENCH_DEFAULTS['cuda'][1]} on CUDA, {BENCH_DEFAULTS['cpu'][1]} on the CPU)")
     bench.add_argument("--num-requests", type=cli_values.integer_at_least(1), default=None,
                        help=f"requests submitted at once (default: {BENCH_DEFAULTS['cuda'][0]} on CUDA, "
                             f"{BENCH_DEFAULTS['cpu'][0]} on the CPU)")
     bench.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and their lengths")
     bench.add_argument("--duration", type=cli_values.positive_number, default=None,
-                       help="stop after this many seconds (steady throughput is still reported)")
+                       help="stop after this many seconds; the headline then says the run was cut "
+                            "short (default: run every request to completion)")
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(handler=_bench)
 
