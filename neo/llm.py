@@ -77,8 +77,8 @@ class LLM:
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role": ..., "content": ...}``
         messages) or to each of a list of conversations; one output per conversation, whose
         ``prompt`` is the rendered conversation.

@@ -206,6 +206,9 @@ class LLMEngine:
         every other request carries on. Only what belongs to no request (a failure in
         scheduling, or an interrupt such as ``KeyboardInterrupt``, after the requests the
         interrupted work touched were ended) is raised.
+
+        A parallel-sampling parent (``SamplingParams.n > 1``) comes back as one output holding
+        all its completions, in place of its children's (``neo.engine.parallel_sampling``).
         """
         if self._closed:
             raise RuntimeError("the engine is closed")

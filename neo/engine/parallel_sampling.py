@@ -39,7 +39,10 @@ class ParentRequest:
         first = children[0]
         self.prompt = first.prompt
         self.prompt_token_ids = first.prompt_token_ids
-        self.completions = [CompletionOutput(index, []) for index in range(len(children))]
+        logprobs = first.sampling_params.logprobs is not None
+        self.completions = [CompletionOutput(index, [], logprobs=[] if logprobs else None,
+                                             cumulative_logprob=0.0 if logprobs else None)
+                            for index in range(len(children))]
         self.error: str | None = None
 
     @property
