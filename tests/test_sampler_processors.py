@@ -17,6 +17,7 @@ from engine_reference import PROMPTS, gib_for_blocks, transformers_tiny
 from neo import LLM, SamplingParams
 from neo.request import Request
 from neo.runner.logits_processors import apply_penalties, process_logits
+from neo.runner.token_logprobs import TokenLogprobs
 from neo.tokenizer import Tokenizer
 
 VOCAB = 320
@@ -91,11 +92,12 @@ def test_presence_and_frequency_penalties_equal_the_formula(generator):
 
 
 def test_rows_that_ask_nothing_are_untouched(generator):
-    """A batch where no row asks gets its very logits back; in a mixed batch the other rows are
-    bit-identical and the input is left as it was."""
+    """A batch where no row asks gets its very logits back and no log-probabilities are
+    computed; in a mixed batch the other rows are bit-identical and the input is left as it was."""
     logits = torch.randn(4, VOCAB, generator=generator)
     plain = [request_with(SamplingParams(), [1, 2, 3], [4, 4]) for _ in range(4)]
     assert process_logits(logits, plain) is logits
+    assert TokenLogprobs.compute(logits, logits.argmax(dim=-1), plain) is None
     original = logits.clone()
     mixed = plain[:2] + [request_with(SamplingParams(frequency_penalty=1.0), [1, 2, 3], [4, 4])] + plain[3:]
     processed = process_logits(logits, mixed)
