@@ -52,6 +52,9 @@ class Request:
         # ``min_tokens`` (end-of-sequence unless ``ignore_eos``, and ``stop_token_ids``); set
         # at admission by the engine, which knows the model's end-of-sequence tokens.
         self.min_tokens_stop_ids: frozenset[int] = frozenset()
+        # Whether the sampler edits this request's logits (penalties, min_tokens): one flag, so
+        # a batch where no request does is recognized in one pass.
+        self.adjusts_logits = sampling_params.uses_penalties or sampling_params.min_tokens > 0
         # With ``logprobs``: one dict per output token (token id -> Logprob), and their sum.
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0

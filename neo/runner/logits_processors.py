@@ -24,6 +24,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     """float32 ``[N, vocab]`` logits of ``requests`` (one row each) -> the logits to sample from:
     ``logits`` itself when no request uses a penalty or is short of its ``min_tokens``, else a
     new tensor (``logits`` is left as it is: log-probabilities are taken from it)."""
+    if not any(request.adjusts_logits for request in requests):
+        return logits
     penalized, masked = [], []
     for row, request in enumerate(requests):
         params = request.sampling_params
@@ -31,7 +33,7 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
             penalized.append(row)
         if request.num_output_tokens < params.min_tokens and request.min_tokens_stop_ids:
             masked.append(row)
-    if not penalized and not masked:
+    if not penalized and not masked:  # every min_tokens reached
         return logits
     logits = logits.clone()
     if penalized:
