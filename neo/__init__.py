@@ -5,7 +5,8 @@ from . import ops  # noqa: F401  (declares torch.ops.neo)
 from .config import EngineConfig
 from .engine import LLMEngine
 from .llm import LLM, GenerationError
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "GenerationError", "EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "GenerationError", "EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -1,5 +1,6 @@
 """``LLM``: the front door, shaped like vLLM's offline API."""
 
+from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 
 from .config import EngineConfig
@@ -36,15 +37,18 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or a list of token ids); one output per prompt,
-        in order. A single prompt may be passed without a list.
+        """Generate for each prompt; one output per prompt, in order, with
+        ``SamplingParams.n`` completions each. A prompt is a string, a list of token ids, or
+        vLLM's dict forms ``{"prompt": str}`` and ``{"prompt_token_ids": list[int]}``; a single
+        prompt may be passed without a list.
 
         Raises ``ValueError`` for a rejected prompt or parameters (nothing is generated), and
         ``GenerationError`` (with every output) when the engine ended some requests because
         their work failed. On any exception, Ctrl-C included, this call's unfinished requests
         are aborted, so the engine is ready for the next call."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [prompt_of(prompt) for prompt in prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -72,6 +76,39 @@ class LLM:
             raise GenerationError(outputs, failed)
         return outputs
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role": ..., "content": ...}``
+        messages) or to each of a list of conversations; one output per conversation, whose
+        ``prompt`` is the rendered conversation.
+
+        Each conversation is rendered with ``chat_template`` (a Jinja template, as in Hugging
+        Face's ``apply_chat_template``), else the model's own, then generated as in
+        ``generate``. Raises ``ValueError`` when the model has no tokenizer, or no chat template
+        and none is given, or a message or the template's rendering is bad."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {self.engine.config.model!r} has no tokenizer.json: chat needs a "
+                             f"tokenizer to render messages; use generate with token ids")
+        template = chat_template or tokenizer.chat_template
+        if not template:
+            raise ValueError(f"model {self.engine.config.model!r} has no chat template (tokenizer_config.json's "
+                             f"chat_template or chat_template.jinja): pass chat_template=")
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            check_conversation(conversation)
+            try:
+                text = tokenizer.apply_chat_template(conversation, add_generation_prompt, chat_template=template)
+            except TemplateError as error:
+                raise ValueError(f"the chat template failed to render the conversation: {error}") from error
+            prompts.append((text, tokenizer.encode(text, add_special_tokens=False)))
+        outputs = self.generate([token_ids for _, token_ids in prompts], sampling_params, use_tqdm)
+        for output, (text, _) in zip(outputs, prompts):
+            output.prompt = text
+        return outputs
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -82,3 +119,36 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def prompt_of(prompt) -> str | list[int]:
+    """A string or a list of token ids from any prompt form ``LLM.generate`` takes (the dict
+    forms unwrapped); other values go to the engine, which names what it accepts."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(str(key) for key in prompt if key not in ("prompt", "prompt_token_ids"))
+    if unknown:
+        raise ValueError(f"prompt dict key {unknown[0]!r} is not supported: a prompt dict holds "
+                         f"\"prompt\" (a string) or \"prompt_token_ids\" (a list of token ids)")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict holds exactly one of \"prompt\" (a string) or \"prompt_token_ids\" "
+                         f"(a list of token ids), got {len(prompt)} keys")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt dict key \"prompt\" must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    token_ids = prompt["prompt_token_ids"]
+    if not isinstance(token_ids, list):
+        raise ValueError(f"prompt dict key \"prompt_token_ids\" must be a list of token ids, got "
+                         f"{type(token_ids).__name__}")
+    return token_ids
+
+
+def check_conversation(conversation) -> None:
+    """A conversation is a list of dicts with a string "role" and a "content"."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got {conversation!r:.80}")
+    for position, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"message {position} must be a dict with a string \"role\" and a \"content\", "
+                             f"got {message!r:.80}")

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .outputs import Logprob
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,16 @@ class Request:
         # request has stop strings: each token decodes and searches only a short window.
         self.incremental_text: IncrementalText | None = None
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)  # one lookup per token
+        # The tokens that would end the request, kept from being sampled before
+        # ``min_tokens`` (end-of-sequence unless ``ignore_eos``, and ``stop_token_ids``); set
+        # at admission by the engine, which knows the model's end-of-sequence tokens.
+        self.min_tokens_stop_ids: frozenset[int] = frozenset()
+        # Whether the sampler edits this request's logits (penalties, min_tokens): one flag, so
+        # a batch where no request does is recognized in one pass.
+        self.adjusts_logits = sampling_params.uses_penalties or sampling_params.min_tokens > 0
+        # With ``logprobs``: one dict per output token (token id -> Logprob), and their sum.
+        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -69,6 +80,12 @@ class Request:
     def append_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.num_tokens += 1
+
+    def add_logprobs(self, entry: dict[int, Logprob], sampled_logprob: float) -> None:
+        """The log-probabilities of the token about to be appended (the runner records them
+        when it samples the token)."""
+        self.output_logprobs.append(entry)
+        self.cumulative_logprob += sampled_logprob
 
     @property
     def last_token_id(self) -> int:

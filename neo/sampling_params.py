@@ -31,6 +31,19 @@ MAX_STOP_STRING_LENGTH = 256
 # Stop token ids are looked up in a set, so their number costs memory and admission time only;
 # 1024 is four times the 256 special tokens Llama 3 reserves.
 MAX_STOP_TOKEN_IDS = 1024
+# Completions per prompt: each is a request of its own in the engine, so ``n`` multiplies the
+# work of one call; 128 is the most OpenAI's API takes.
+MAX_N = 128
+# Top log-probabilities returned per token: OpenAI's ``top_logprobs`` takes at most 20, as does
+# vLLM by default.
+MAX_LOGPROBS = 20
+# repetition_penalty divides positive logits and multiplies negative ones, before the
+# temperature divides them again: within [1/100, 100] a logit below 3.4e34 in magnitude stays
+# finite in float32 through both (the same reasoning as ``MIN_TEMPERATURE``).
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+# presence_penalty and frequency_penalty: OpenAI's range.
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 
 # Shows a value in an error message, long numbers, strings and lists shortened.
 _shown = reprlib.Repr()
@@ -57,6 +70,24 @@ class SamplingParams:
       ``MAX_STOP_STRING_LENGTH`` (256) characters. Generation stops when the text holds one
       (needs a tokenizer); the text is cut where the first one starts.
     - ``ignore_eos``: keep going past end-of-sequence tokens.
+    - ``n``: completions of the prompt, an integer in [1, ``MAX_N``] (128); each is sampled
+      independently (with a seed, completion ``i`` uses ``seed + i``) and all come back in
+      one ``RequestOutput``.
+    - ``logprobs``: None, or an integer in [0, ``MAX_LOGPROBS``] (20): each generated token
+      comes with its own log-probability and those of the ``logprobs`` most likely tokens,
+      taken from the model's raw distribution (log_softmax of the logits before penalties,
+      temperature, top-k and top-p).
+    - ``min_tokens``: an integer in [0, ``max_tokens``]; before that many tokens are generated,
+      end-of-sequence tokens and ``stop_token_ids`` are never sampled and stop strings are not
+      searched for.
+    - ``repetition_penalty``: in [``MIN_REPETITION_PENALTY``, ``MAX_REPETITION_PENALTY``] =
+      [0.01, 100], 1 disables it. The logit of each token in the prompt or the output so far is
+      divided by it where positive and multiplied by it where negative.
+    - ``presence_penalty``, ``frequency_penalty``: in [-2, 2], 0 disables them. Each token
+      generated so far has its logit lowered by ``presence_penalty`` once and by
+      ``frequency_penalty`` per time it was generated.
+
+    The penalties act on the logits before the temperature, top-k, top-p and greedy choice.
     """
 
     max_tokens: int = 16
@@ -67,6 +98,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         self.max_tokens = _checked_max_tokens(self.max_tokens)
@@ -78,6 +115,12 @@ class SamplingParams:
         self.stop = _checked_stop(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {_shown.repr(self.ignore_eos)}")
+        self.n = _checked_n(self.n)
+        self.logprobs = _checked_logprobs(self.logprobs)
+        self.min_tokens = _checked_min_tokens(self.min_tokens, self.max_tokens)
+        self.repetition_penalty = _checked_repetition_penalty(self.repetition_penalty)
+        self.presence_penalty = _checked_presence_frequency("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _checked_presence_frequency("frequency_penalty", self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +133,10 @@ class SamplingParams:
     @property
     def uses_top_p(self) -> bool:
         return self.top_p < 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def _is_integer(value) -> bool:
@@ -160,3 +207,38 @@ def _checked_stop(stop) -> list[str]:
         raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LENGTH} "
                          f"characters, got {_shown.repr(bad)}{length}")
     return list(stop)
+
+
+def _checked_n(n) -> int:
+    if not _is_integer(n) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {_shown.repr(n)}")
+    return int(n)
+
+
+def _checked_logprobs(logprobs) -> int | None:
+    if logprobs is not None and (not _is_integer(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                         f"{_shown.repr(logprobs)}")
+    return None if logprobs is None else int(logprobs)
+
+
+def _checked_min_tokens(min_tokens, max_tokens: int) -> int:
+    if not _is_integer(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise ValueError(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got "
+                         f"{_shown.repr(min_tokens)}")
+    return int(min_tokens)
+
+
+def _checked_repetition_penalty(penalty) -> float:
+    if not _is_real(penalty) or not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
+        raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, "
+                         f"{MAX_REPETITION_PENALTY}] (1 disables it), got {_shown.repr(penalty)}")
+    return float(penalty)
+
+
+def _checked_presence_frequency(name: str, penalty) -> float:
+    bound = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+    if not _is_real(penalty) or not -bound <= penalty <= bound:
+        raise ValueError(f"{name} must be a number in [{-bound}, {bound}] (0 disables it), got "
+                         f"{_shown.repr(penalty)}")
+    return float(penalty)

@@ -138,18 +138,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
         """Render ``[{"role": ..., "content": ...}, ...]`` into a prompt string.
 
-        Uses the model's Jinja chat template when it has one; otherwise one ``role: content``
-        line per message, then ``assistant: `` when ``add_generation_prompt``. The result
-        already holds the template's special tokens: encode it with
-        ``add_special_tokens=False``.
+        Uses ``chat_template`` if given, else the model's Jinja chat template when it has one;
+        otherwise one ``role: content`` line per message, then ``assistant: `` when
+        ``add_generation_prompt``. The result already holds the template's special tokens:
+        encode it with ``add_special_tokens=False``.
         """
-        if not self.chat_template:
+        template = chat_template or self.chat_template
+        if not template:
             lines = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
             return lines + ("assistant: " if add_generation_prompt else "")
-        return _render_template(self.chat_template, messages=messages,
+        return _render_template(template, messages=messages,
                                 add_generation_prompt=add_generation_prompt,
                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 

@@ -12,7 +12,8 @@ import torch
 from neo import LLM, SamplingParams
 from neo.request import Request
 from neo.runner.sampler import Sampler
-from neo.sampling_params import FLOAT32_MAX, INT64_MAX, MAX_SEED, MIN_SEED, MIN_TEMPERATURE
+from neo.sampling_params import (FLOAT32_MAX, INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_SEED,
+                                  MIN_REPETITION_PENALTY, MIN_SEED, MIN_TEMPERATURE)
 
 SMALLEST_TOP_P = 5e-324  # the smallest positive float: float32 rounds it to 0
 
@@ -44,6 +45,21 @@ BAD_VALUES = [
     ("stop", ["x" * 257], "at most 256 characters"), ("stop", ["a"] * 65, "at most 64"),
     ("stop", 5, "string or a list"), ("stop", None, "string or a list"),
     ("ignore_eos", 1, "True or False"), ("ignore_eos", "yes", "True or False"), ("ignore_eos", None, "True or False"),
+    ("n", 0, r"\[1, 128\]"), ("n", 129, r"\[1, 128\]"), ("n", -1, r"\[1, 128\]"), ("n", True, "integer"),
+    ("n", 2.0, "integer"), ("n", None, "integer"),
+    ("logprobs", -1, r"\[0, 20\]"), ("logprobs", 21, r"\[0, 20\]"), ("logprobs", True, "integer"),
+    ("logprobs", 1.0, "integer"), ("logprobs", "5", "integer"),
+    ("min_tokens", -1, r"\[0, max_tokens=16\]"), ("min_tokens", 17, r"\[0, max_tokens=16\]"),
+    ("min_tokens", True, "integer"), ("min_tokens", 1.0, "integer"), ("min_tokens", None, "integer"),
+    ("repetition_penalty", 0, r"\[0.01, 100.0\]"), ("repetition_penalty", -1.0, r"\[0.01, 100.0\]"),
+    ("repetition_penalty", 0.0099, r"\[0.01, 100.0\]"), ("repetition_penalty", 100.5, r"\[0.01, 100.0\]"),
+    ("repetition_penalty", math.nan, r"\[0.01, 100.0\]"), ("repetition_penalty", math.inf, r"\[0.01, 100.0\]"),
+    ("repetition_penalty", True, "number"), ("repetition_penalty", None, "number"),
+    ("presence_penalty", 2.01, r"\[-2.0, 2.0\]"), ("presence_penalty", -2.01, r"\[-2.0, 2.0\]"),
+    ("presence_penalty", math.nan, r"\[-2.0, 2.0\]"), ("presence_penalty", True, "number"),
+    ("presence_penalty", "1", "number"),
+    ("frequency_penalty", 2.01, r"\[-2.0, 2.0\]"), ("frequency_penalty", -math.inf, r"\[-2.0, 2.0\]"),
+    ("frequency_penalty", False, "number"), ("frequency_penalty", None, "number"),
 ]
 
 
@@ -70,6 +86,13 @@ GOOD_VALUES = [
     ("stop_token_ids", list(range(1024)), list(range(1024))),
     ("stop", "x" * 256, ["x" * 256]), ("stop", ("a", "\ufffd"), ["a", "\ufffd"]), ("stop", ["a"] * 64, ["a"] * 64),
     ("ignore_eos", True, True),
+    ("n", 1, 1), ("n", MAX_N, MAX_N), ("n", numpy.int64(3), 3),
+    ("logprobs", None, None), ("logprobs", 0, 0), ("logprobs", MAX_LOGPROBS, MAX_LOGPROBS),
+    ("min_tokens", 0, 0), ("min_tokens", 16, 16),
+    ("repetition_penalty", MIN_REPETITION_PENALTY, MIN_REPETITION_PENALTY), ("repetition_penalty", 1, 1.0),
+    ("repetition_penalty", MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+    ("presence_penalty", -2, -2.0), ("presence_penalty", 2.0, 2.0), ("frequency_penalty", -2.0, -2.0),
+    ("frequency_penalty", 2, 2.0), ("frequency_penalty", numpy.float32(0.5), 0.5),
 ]
 
 
@@ -80,6 +103,12 @@ def test_good_edge_value_is_accepted(field, value, stored):
     assert getattr(params, field) == stored
     assert type(getattr(params, field)) is type(stored)
     Request("r", [1], params)  # the generator takes every accepted seed
+
+
+def test_min_tokens_is_bounded_by_the_max_tokens_given():
+    assert SamplingParams(max_tokens=100, min_tokens=100).min_tokens == 100
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer in \[0, max_tokens=5\], got 6"):
+        SamplingParams(max_tokens=5, min_tokens=6)
 
 
 def test_a_negative_seed_is_its_twos_complement():

@@ -192,6 +192,30 @@ def test_stop_token_ids_end_generation_at_once():
         assert rule(request, token) == expected
 
 
+def test_before_min_tokens_only_the_length_limits_end_a_request(tokenizer):
+    """End-of-sequence and stop tokens end a request from its min_tokens-th token on; a stop
+    string only when it ends in text added after that token, and one wholly inside the first
+    min_tokens tokens' text is not found later."""
+    rule = StopRule(frozenset({257}), tokenizer, max_model_len=100)
+    params = SamplingParams(max_tokens=20, min_tokens=3, stop_token_ids=[300], stop=["ab"])
+    request = Request("r", [1], params)
+    assert rule.stop_ids_before_min_tokens(request) == frozenset({257, 300})
+    assert rule.stop_ids_before_min_tokens(Request("r", [1], SamplingParams(ignore_eos=True, min_tokens=1,
+                                                                            stop_token_ids=[5]))) == {5}
+    assert rule.stop_ids_before_min_tokens(Request("r", [1], SamplingParams(stop_token_ids=[5]))) == frozenset()
+    for token, expected in [(257, None), (300, None), (257, "stop")]:  # EOS as the third token counts
+        request.append_token(token)
+        assert rule(request, token) == expected
+    request = Request("r", [1], params)
+    for token in b"abc":  # "ab" within the first 3 tokens: not a stop, now or later
+        request.append_token(token)
+        assert rule(request, token) is None
+    for token, expected in [(ord("d"), None), (ord("a"), None), (ord("b"), "stop")]:
+        request.append_token(token)
+        assert rule(request, token) == expected
+    assert request.output_text == "abcd"
+
+
 def test_engine_stops_where_the_full_decode_rule_does(seed):
     """End to end: greedy generation with stop strings taken from the free-running text."""
     rng = random.Random(seed)

@@ -18,6 +18,7 @@ from neo.sched.scheduler_output import SchedulerOutput
 
 from .build import build
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
+from .parallel_sampling import ParentRequest, child_params, child_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +51,53 @@ class LLMEngine:
         self.runner = parts.runner
         self.profiler = parts.profiler
         self.scheduler = parts.scheduler
+        self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
         self._step_function = self._step_with_host_batches if parts.asynchronous else self._step
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}
+        # Parallel sampling: the parents by id, and each child's parent and index.
+        self._parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, tuple[ParentRequest, int]] = {}
         self._request_counter = itertools.count()
         self._closed = False
 
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request | ParentRequest:
         """Validate and queue a request. Raises ``ValueError`` naming the problem; the engine
-        and the requests already queued are unaffected by a rejected one."""
+        and the requests already queued are unaffected by a rejected one.
+
+        With ``sampling_params.n > 1`` the request is fanned out into ``n`` child requests
+        (``neo.engine.parallel_sampling``) and their ``ParentRequest`` is returned; ``step``
+        and ``abort_request`` then speak of the parent's id only."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         # A private copy, checked again: the caller may have changed its object after creating it.
         params = dataclasses.replace(sampling_params) if sampling_params is not None else SamplingParams()
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [child_request_id(index, request_id) for index in range(params.n)] if params.n > 1 else []
+        used = next((identifier for identifier in [request_id] + child_ids
+                     if identifier in self._requests or identifier in self._parents), None)
+        if used is not None:
+            raise ValueError(f"request id {used!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
-        request = Request(request_id, token_ids, params, prompt=text, arrival_time=arrival_time)
-        self._requests[request_id] = request
+        if params.n == 1:
+            return self._queue(Request(request_id, token_ids, params, prompt=text, arrival_time=arrival_time))
+        children = [Request(child_id, token_ids, child_params(params, index), prompt=text, arrival_time=arrival_time)
+                    for index, child_id in enumerate(child_ids)]
+        parent = ParentRequest(request_id, children)
+        self._parents[request_id] = parent
+        for index, child in enumerate(children):
+            self._parent_of[child.request_id] = (parent, index)
+            self._queue(child)
+        return parent
+
+    def _queue(self, request: Request) -> Request:
+        request.min_tokens_stop_ids = self.stop_rule.stop_ids_before_min_tokens(request)
+        self._requests[request.request_id] = request
         self.scheduler.add(request)
         return request
 
@@ -100,6 +124,11 @@ class LLMEngine:
         bad = next((token for token in token_ids if not 0 <= token < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.min_tokens > 0:
+            eos = frozenset() if params.ignore_eos else self.stop_rule.eos_token_ids
+            if len({token for token in eos | set(params.stop_token_ids) if token < vocab}) >= vocab:
+                raise ValueError(f"min_tokens={params.min_tokens} with stop_token_ids covering the whole "
+                                 f"vocabulary of {vocab} tokens leaves no token to sample")
         if length >= self.max_model_len:
             raise ValueError(f"prompt of {length} tokens is too long: the model's context is "
                              f"{self.max_model_len} tokens (prompt + at least one new token)")
@@ -119,8 +148,18 @@ class LLMEngine:
         return max(self.block_manager.num_total(pool) for pool in pools) * self.config.block_size
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
-        """Stop a request; its blocks are free when this returns. False if it is unknown/done."""
-        request = self._requests.pop(str(request_id), None)
+        """Stop a request (a parallel-sampling parent: all its children, also when given a
+        child's id); its blocks are free when this returns. False if it is unknown/done."""
+        request_id = str(request_id)
+        link = self._parent_of.get(request_id)
+        parent = self._parents.get(request_id) or (link[0] if link is not None else None)
+        if parent is None:
+            return self._abort(request_id, reason)
+        self._forget(parent)
+        return any([self._abort(child.request_id, reason) for child in parent.children])
+
+    def _abort(self, request_id: str, reason: str) -> bool:
+        request = self._requests.pop(request_id, None)
         if request is None or request.is_finished:
             return False
         self.scheduler.abort(request, reason)
@@ -128,9 +167,16 @@ class LLMEngine:
         self.metrics.requests_aborted += 1
         return True
 
+    def _forget(self, parent: ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self._parent_of.pop(child.request_id, None)
+
     def abort_all(self) -> int:
-        """Abort every unfinished request; returns how many there were."""
-        request_ids = list(self._requests)
+        """Abort every unfinished request; returns how many there were (a parallel-sampling
+        parent counts once)."""
+        request_ids = [request_id for request_id in self._requests if request_id not in self._parent_of]
+        request_ids += list(self._parents)
         for request_id in request_ids:
             self.abort_request(request_id)
         return len(request_ids)
@@ -160,10 +206,14 @@ class LLMEngine:
         every other request carries on. Only what belongs to no request (a failure in
         scheduling, or an interrupt such as ``KeyboardInterrupt``, after the requests the
         interrupted work touched were ended) is raised.
+
+        A parallel-sampling parent (``SamplingParams.n > 1``) comes back as one output holding
+        all its completions, in place of its children's (``neo.engine.parallel_sampling``).
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
-        return self._step_function(on_launched)
+        outputs = self._step_function(on_launched)
+        return self._gather_children(outputs) if self._parent_of else outputs
 
     def _step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         plan, start, schedule_seconds, segments_freed = self._schedule()
@@ -250,7 +300,7 @@ class LLMEngine:
                        exc_info=None if interrupted else error)
         for request in ended:
             request.error = reason
-            self.abort_request(request.request_id, reason="error")
+            self._abort(request.request_id, "error")
         return ended
 
     def _quiesce(self) -> None:
@@ -265,6 +315,34 @@ class LLMEngine:
             self.worker.drain()
 
     # -- outputs and metrics -------------------------------------------------------------------
+
+    def _gather_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Replace the outputs of parallel-sampling children by one output per parent, where
+        its first child's was. A failed child ends its siblings (aborted) and its parent."""
+        gathered: list[RequestOutput | ParentRequest] = []
+        touched: set[str] = set()
+        for output in outputs:
+            link = self._parent_of.get(output.request_id)
+            if link is None:
+                gathered.append(output)
+                continue
+            parent, index = link
+            parent.update(index, output)
+            if output.error is not None:
+                for sibling_index, sibling in enumerate(parent.children):
+                    if self._abort(sibling.request_id, "abort"):
+                        parent.update(sibling_index, self._output(sibling))
+            if parent.request_id not in touched:
+                touched.add(parent.request_id)
+                gathered.append(parent)
+        results = []
+        for item in gathered:
+            if isinstance(item, ParentRequest):
+                if item.finished:
+                    self._forget(item)
+                item = item.output()
+            results.append(item)
+        return results
 
     def _outputs(self, plan: SchedulerOutput, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
         """The requests whose work failed, the plan's requests ended while planning, then those
@@ -290,8 +368,12 @@ class LLMEngine:
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:
-        """A snapshot of the request; text and metrics once it has finished."""
+        """A snapshot of the request; text, the log-probabilities' token texts and metrics once
+        it has finished."""
         completion = CompletionOutput(0, request.output_token_ids[:], "", request.finish_reason)
+        if request.sampling_params.logprobs is not None:
+            completion.logprobs = request.output_logprobs[:]
+            completion.cumulative_logprob = request.cumulative_logprob
         output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                                request.status is RequestStatus.FINISHED, error=request.error)
         if output.finished:
@@ -299,9 +381,20 @@ class LLMEngine:
             if text is None and self.tokenizer is not None:
                 text = self.tokenizer.decode(request.output_token_ids)
             completion.text = text or ""
+            if completion.logprobs and self.tokenizer is not None:
+                self._decode_logprob_tokens(completion.logprobs)
             output.metrics = RequestMetrics(request.arrival_time, request.first_token_time,
                                             request.finish_time, request.num_preemptions)
         return output
+
+    def _decode_logprob_tokens(self, entries: list[dict]) -> None:
+        """Set each ``Logprob.decoded_token``: the token's text alone, special tokens spelled out."""
+        token_ids = list({token_id for entry in entries for token_id in entry})
+        texts = dict(zip(token_ids, self.tokenizer.backend.decode_batch([[token_id] for token_id in token_ids],
+                                                                        skip_special_tokens=False)))
+        for entry in entries:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = texts[token_id]
 
     def _count(self, plan: SchedulerOutput, output: IterationOutput) -> None:
         metrics = self.metrics

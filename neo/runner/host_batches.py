@@ -44,8 +44,10 @@ from .batch_inputs import build_batch_inputs
 from .executor import PipelineExecutor
 from .host_attention import HostKernels
 from .host_worker import HostAttentionWorker
+from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
 from .sampler import Sampler
+from .token_logprobs import TokenLogprobs
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
@@ -61,6 +63,7 @@ class _InFlight:
     launched_at: float
     host_seconds: float | None  # known at launch when it ran to completion
     replayed_graph: bool
+    logprobs: TokenLogprobs | None = None  # on the device until ``done`` has passed
     wait_seconds: float = 0.0  # spent in ``collect`` waiting for it
 
 
@@ -110,7 +113,9 @@ class HostBatchRunner:
             replayed = logits is not None
             if logits is None:
                 logits = self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
-            sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+            sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
+                                   [r.generator for r in requests])
+            logprobs = TokenLogprobs.compute(logits, sampled, requests)
             done = ended = None
             if self.stream is not None:
                 tokens = self.token_buffer[:len(requests)]
@@ -126,7 +131,8 @@ class HostBatchRunner:
                 done.synchronize()
             done = None
             host_seconds = self.executor.host_busy_seconds()
-        self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed)
+        self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed,
+                                    logprobs)
 
     def ready(self) -> bool:
         """Whether a launched batch has completed (False when none is in flight)."""
@@ -151,6 +157,8 @@ class HostBatchRunner:
         if flight.done is not None:
             flight.done.synchronize()
         self.executor.raise_host_failure()
+        if flight.logprobs is not None:
+            flight.logprobs.record(flight.requests)
         if flight.started is not None and flight.ended is not None:
             seconds = flight.started.elapsed_time(flight.ended) / 1e3
         else:

@@ -17,8 +17,10 @@ from .batch_inputs import build_batch_inputs
 from .decode_graphs import DecodeGraphs
 from .executor import PipelineExecutor
 from .host_batches import HostBatchRunner
+from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
 from .sampler import Sampler
+from .token_logprobs import TokenLogprobs
 
 
 def block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -54,7 +56,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> IterationOutput:
         """Run the plan's sub-batches and swaps; returns the sampled token of each request in
-        ``plan.requests`` order, with what was measured. ``on_launched`` is called once the
+        ``plan.requests`` order, with what was measured (the requests that ask for
+        log-probabilities get them recorded). ``on_launched`` is called once the
         device work (sampling included) is queued, before waiting for the tokens."""
         began = time.perf_counter()
         sub_batches = [batch for batch in plan.sub_batches if batch]
@@ -82,12 +85,16 @@ class ModelRunner:
         replayed = logits is not None
         if logits is None:
             logits = self.executor.run(batches, order, block_pairs(plan.swap_out), block_pairs(plan.swap_in))
-        sampled = self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+        sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
+                               [r.generator for r in requests])
+        logprobs = TokenLogprobs.compute(logits, sampled, requests)
         queue_seconds = time.perf_counter() - began
         if on_launched is not None:
             on_launched()
         tokens = sampled.tolist()  # waits for the device
         self.executor.raise_host_failure()
+        if logprobs is not None:
+            logprobs.record(requests)
         # A decode graph replays no executor work: no host time, no GPU busy time measured.
         return IterationOutput(tokens, time.perf_counter() - began,
                                0.0 if decode_graph else self.executor.host_busy_seconds(), queue_seconds,
