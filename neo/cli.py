@@ -10,6 +10,7 @@ from .config import HOST_PIPELINES, POLICIES, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
 from .server.arguments import add_server_arguments
+from .sim.command import add_simulate_command
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_server_arguments(serve)
     serve.set_defaults(handler=_serve)
+    add_simulate_command(commands)
     return parser
 
 

@@ -48,6 +48,9 @@ class Hardware:
     pipeline_overhead_us: float = 285.0  # a two-sub-batch iteration's launches and hand-offs, per layer
     host_batch_overhead_us: float = 80.0  # a host batch's launches and hand-offs, per layer
     iteration_overhead_us: float = 0.0  # input preparation and sampling, per iteration
+    # GPU iterations beside a host batch run at least this many times slower (its host threads
+    # share the host with the launching thread; measured on the H100 with 32B shapes).
+    host_batch_slowdown: float = 1.10
 
     @property
     def dtype(self) -> str:

@@ -31,6 +31,7 @@ class Scenario:
     gpu_kv_cache_gib: float | None = None
     cpu_kv_cache_gib: float | None = None  # None: half the host's memory
     max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     profile: str | None = None
@@ -45,7 +46,8 @@ class Scenario:
         return EngineConfig(model=self.model, policy=policy, host_pipeline=self.host_pipeline,
                             stage_order=self.stage_order, placement=self.placement,
                             gpu_kv_cache_gib=self.gpu_kv_cache_gib, cpu_kv_cache_gib=float(cpu_gib),
-                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
+                            max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.hardware.dtype,
                             seed=self.seed)
 

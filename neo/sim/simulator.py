@@ -50,7 +50,7 @@ class HostBatchInFlight:
     done_at: float  # simulated seconds
     seconds: float
     host_seconds: float
-    gpu_share: float  # its GPU stages' seconds over its whole time
+    slowdown: float  # of the GPU iterations beside it
 
 
 @dataclass
@@ -159,11 +159,11 @@ class Simulation:
         flight = self.in_flight
         if flight is None or flight.done_at <= self.clock:
             return alone
-        slowed = alone * (1 + flight.gpu_share)
+        slowed = alone * flight.slowdown
         overlap = flight.done_at - self.clock
         if slowed <= overlap:
             return slowed
-        return overlap + (alone - overlap / (1 + flight.gpu_share))
+        return overlap + (alone - overlap / flight.slowdown)
 
     def launch(self, plan: SchedulerOutput) -> None:
         requests = plan.host_batch.host_decodes
@@ -171,8 +171,9 @@ class Simulation:
         linear = perf_model.linear(len(requests))
         host = perf_model.host_attention(len(requests), sum(r.num_tokens for r in requests))
         seconds = perf_model.host_batch_time(HOST_BATCH, linear, host)
+        gpu_share = linear / seconds if seconds > 0 else 0.0
         self.in_flight = HostBatchInFlight(list(requests), self.clock + seconds, seconds, host,
-                                           linear / seconds if seconds > 0 else 0.0)
+                                           max(1 + gpu_share, self.hardware.host_batch_slowdown))
 
     def execute(self, plan: SchedulerOutput) -> IterationOutput | None:
         if plan.is_empty:
