@@ -229,3 +229,10 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     assert "llama-2-7b on g4dn.4xlarge (float16" in out
     assert out.count("x ") >= 2 and "neo" in out
+
+
+def test_a_prompt_that_never_fits_is_refused_by_name():
+    with pytest.raises(ValueError, match="tokens can never fit the KV pools: the largest the gpu-only policy "
+                                         "decodes in holds 400 tokens"):
+        run_scenario(small_scenario(workload="synthetic:input=500,output=10", gpu_kv_cache_gib=0.05,
+                                    policies=("gpu-only",)))

@@ -73,6 +73,9 @@ class SimulationResult:
     cpu_kv_pool_gib: float
     ttft_s: list[float] = field(repr=False)
     tpot_s: list[float] = field(repr=False)
+    iteration_s: list[float] = field(repr=False)  # each executed plan's simulated seconds
+    host_batch_s: list[float] = field(repr=False)  # each host batch's seconds
+    host_batch_sizes: list[int] = field(repr=False)  # each host batch's requests
     note: str = ""
 
     @property
@@ -99,7 +102,9 @@ class SimulationResult:
             "host_batches": self.host_batches, "host_decode_share": self.host_decode_share,
             "preemptions": self.preemptions, "gpu_kv_pool_gib": self.gpu_kv_pool_gib,
             "cpu_kv_pool_gib": self.cpu_kv_pool_gib,
-            "ttft_s": distribution(self.ttft_s), "tpot_s": distribution(self.tpot_s), "note": self.note,
+            "ttft_s": distribution(self.ttft_s), "tpot_s": distribution(self.tpot_s),
+            "iteration_s": distribution(self.iteration_s), "host_batch_s": distribution(self.host_batch_s),
+            "host_batch_requests": distribution(self.host_batch_sizes), "note": self.note,
         }
 
 
@@ -143,6 +148,8 @@ class Simulation:
         self.on_iteration = on_iteration
         self.clock = 0.0
         self.in_flight: HostBatchInFlight | None = None
+        self.iteration_seconds: list[float] = []
+        self.host_batches: list[HostBatchInFlight] = []
 
     # -- times ---------------------------------------------------------------------------------
 
@@ -174,6 +181,7 @@ class Simulation:
         gpu_share = linear / seconds if seconds > 0 else 0.0
         self.in_flight = HostBatchInFlight(list(requests), self.clock + seconds, seconds, host,
                                            max(1 + gpu_share, self.hardware.host_batch_slowdown))
+        self.host_batches.append(self.in_flight)
 
     def execute(self, plan: SchedulerOutput) -> IterationOutput | None:
         if plan.is_empty:
@@ -181,6 +189,7 @@ class Simulation:
         seconds, host_seconds = self.parts.timing.plan_time(plan)
         seconds = self.beside_host_batch(seconds + self.copy_seconds(plan))
         self.clock += seconds
+        self.iteration_seconds.append(seconds)
         if self.on_iteration is not None:
             self.on_iteration(plan, seconds)
         return IterationOutput([TOKEN] * len(plan.requests), seconds, host_seconds)
@@ -201,19 +210,30 @@ class Simulation:
         return HostBatchOutput(flight.requests, [TOKEN] * len(flight.requests), flight.seconds, flight.host_seconds,
                                False, wait)
 
+    def check_fits(self, requests: list[Request]) -> None:
+        manager, block_size = self.parts.block_manager, self.config.block_size
+        capacity = max(manager.num_total(pool) for pool in self.parts.scheduler.placement.decode_pools) * block_size
+        longest = max((request.num_tokens for request in requests), default=0)
+        if longest + 1 > capacity:
+            raise ValueError(f"a prompt of {longest} tokens can never fit the KV pools: the largest the "
+                             f"{self.config.policy} policy decodes in holds {capacity} tokens; raise "
+                             f"gpu_kv_cache_gib or cpu_kv_cache_gib")
+
     # -- the run -------------------------------------------------------------------------------
 
     def run(self, workload: list[WorkloadRequest], duration: float | None = None,
             show_progress: bool = False) -> SimulationResult:
         """Every request to completion, or until ``duration`` simulated seconds. Raises
+        ``ValueError`` for a prompt that can never fit the KV pools (the engine refuses it), and
         ``RuntimeError`` if the scheduler stops making progress with nothing left to arrive."""
         scheduler = self.parts.scheduler
         arrivals = make_requests(workload, self.max_model_len, self.config.max_num_batched_tokens)
+        self.check_fits([request for _, request in arrivals])
         requests = [request for _, request in arrivals]
         next_index = 0
         first_arrival = arrivals[0][0] if arrivals else 0.0
         self.clock = first_arrival
-        counts = dict(iterations=0, two=0, host_batches=0, host_tokens=0, gpu_tokens=0, output=0)
+        counts = dict(two=0, host_tokens=0, gpu_tokens=0, output=0)
         log: list[tuple[float, int]] = []
         cut_short = False
         progress = tqdm(total=sum(r.sampling_params.max_tokens for r in requests), unit="tok",
@@ -232,13 +252,11 @@ class Simulation:
             plan = scheduler.schedule()
             if plan.host_batch is not None:
                 self.launch(plan)
-                counts["host_batches"] += 1
                 counts["host_tokens"] += len(plan.host_batch.host_decodes)
             output = self.execute(plan)
             completed = self.collect(output is not None, next_arrival)
             decoded = scheduler.update(plan, output, completed)
             if output is not None:
-                counts["iterations"] += 1
                 counts["two"] += len(plan.sub_batches) == 2
                 counts["host_tokens"] += sum(len(batch.host_decodes) for batch in plan.sub_batches)
                 counts["gpu_tokens"] += sum(len(batch.gpu_decodes) for batch in plan.sub_batches)
@@ -268,12 +286,14 @@ class Simulation:
             policy=self.config.policy, num_requests=len(requests), finished_requests=len(finished),
             elapsed_s=self.clock - first_arrival,
             prompt_tokens=sum(len(r.prompt_token_ids) for r in started), output_tokens=counts["output"],
-            iterations=counts["iterations"], two_sub_batch_iterations=counts["two"],
-            host_batches=counts["host_batches"], host_decode_tokens=counts["host_tokens"],
+            iterations=len(self.iteration_seconds), two_sub_batch_iterations=counts["two"],
+            host_batches=len(self.host_batches), host_decode_tokens=counts["host_tokens"],
             gpu_decode_tokens=counts["gpu_tokens"], preemptions=self.parts.scheduler.num_preemptions,
             steady_output_tokens_per_s=steady_throughput(log, cut_short), cut_short=cut_short,
             gpu_kv_pool_gib=layout.num_gpu_blocks * block_gib, cpu_kv_pool_gib=layout.num_host_blocks * block_gib,
             ttft_s=[r.first_token_time - r.arrival_time for r in started],
             tpot_s=[(r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
                     for r in finished if r.num_output_tokens > 1],
+            iteration_s=list(self.iteration_seconds), host_batch_s=[batch.seconds for batch in self.host_batches],
+            host_batch_sizes=[len(batch.requests) for batch in self.host_batches],
             note="" if self.parts.host_decodes else "no host attention on this hardware: planned as gpu-only")
