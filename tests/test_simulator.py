@@ -17,6 +17,7 @@ from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sched.placement import PLACEMENTS, TwoSubBatches
 from neo.sched.stage_order import SEQUENTIAL, StageOrder, attn_gpu, attn_host, post, pre
 from neo.sim.hardware import PRESETS, preset, with_overrides
+from neo.sim.plots import gain_grid
 from neo.sim.scenario import Scenario, run_scenario
 from neo.sim.simulator import Simulation
 from neo.sim.stage_times import StageModel, synthesize_table
@@ -236,3 +237,22 @@ def test_a_prompt_that_never_fits_is_refused_by_name():
                                          "decodes in holds 400 tokens"):
         run_scenario(small_scenario(workload="synthetic:input=500,output=10", gpu_kv_cache_gib=0.05,
                                     policies=("gpu-only",)))
+
+
+def test_plots_are_written(tmp_path, capsys):
+    common = ["simulate", "--model", "llama-3.1-8b", "--gpu-kv-cache-gib", "0.25", "--cpu-kv-cache-gib", "8",
+              "--workload", "synthetic:input=300,output=40", "--num-requests", "24", "--max-num-seqs", "64"]
+    heatmap, cores = tmp_path / "heatmap.png", tmp_path / "cores.png"
+    assert cli.main(common + ["--hardware", "g5.2xlarge", "--plot", "heatmap", "--sweep-host-read-gbps", "10,80",
+                              "--sweep-gpu-kv-cache-gib", "0.25,0.5", "--plot-output", str(heatmap)]) == 0
+    assert cli.main(common + ["--plot", "cores", "--sweep-hardware", "g5.2xlarge,g5.16xlarge",
+                              "--plot-output", str(cores)]) == 0
+    for path in (heatmap, cores):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(common + ["--plot", "heatmap", "--sweep-host-read-gbps", "10,-1"]) == 2
+    assert "--sweep-host-read-gbps must list positive numbers" in capsys.readouterr().err
+
+
+def test_gain_grows_with_host_bandwidth():
+    [[slow, fast]] = gain_grid(small_scenario(), [5.0, 200.0], [0.25])
+    assert fast > slow

@@ -39,11 +39,13 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
         kind = int if field == "host_cores" else float
         machine.add_argument(option_name(field), dest=f"hardware_{field}", type=kind, default=None)
     machine.add_argument("--pcie-gbps", type=float, default=None, help="both copy directions")
-    parser.add_argument("--profile", default=None, help="a `neo profile` table (JSON) instead of synthesized stage times")
+    parser.add_argument("--profile", default=None,
+                        help="a `neo profile` table (JSON) instead of synthesized stage times")
     parser.add_argument("--workload", default="synthetic:input=1000,output=300", help=WORKLOAD_FORMS)
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--policies", default="gpu-only,neo,full-offload", help=f"comma-separated: {', '.join(POLICIES)}")
+    parser.add_argument("--policies", default="gpu-only,neo,full-offload",
+                        help=f"comma-separated: {', '.join(POLICIES)}")
     parser.add_argument("--host-pipeline", default="async", choices=HOST_PIPELINES)
     parser.add_argument("--stage-order", default="asymmetric", help=f"one of {', '.join(TWO_SUB_BATCH_ORDERS)}")
     parser.add_argument("--placement", default=None)
@@ -146,8 +148,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     scenario = scenario_from_args(args)
     results = run_scenario(scenario, show_progress=not args.no_progress and sys.stderr.isatty())
     if args.json:
-        print(json.dumps({"scenario": {**dataclasses.asdict(scenario), "hardware": dataclasses.asdict(scenario.hardware)},
-                          "results": [result.summary() for result in results]}, indent=1))
+        settings = {**dataclasses.asdict(scenario), "hardware": dataclasses.asdict(scenario.hardware)}
+        print(json.dumps({"scenario": settings, "results": [result.summary() for result in results]}, indent=1))
     else:
         print(results_table(scenario, results))
     return 0

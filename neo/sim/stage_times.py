@@ -52,7 +52,8 @@ class StageModel:
         self.model = model
         self.hardware = hardware
         self.element_bytes = DTYPE_BYTES[hardware.dtype]
-        hidden, q_size, kv_size = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+        hidden = model.hidden_size
+        q_size, kv_size = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
         self.layer_parameters = (hidden * (q_size + 2 * kv_size) + q_size * hidden
                                  + 3 * hidden * model.intermediate_size)
         self.kv_bytes_per_token_layer = 2 * kv_size * self.element_bytes
@@ -130,7 +131,8 @@ def synthesize_table(model: ModelConfig, hardware: Hardware, *, max_num_batched_
              "dtype": hardware.dtype, "device": f"synthesized: {hardware.name}", "block_size": block_size,
              "cpu_threads": hardware.host_attention_threads},
         linear_tokens=linear_tokens, linear_seconds=[stages.linear(t) for t in linear_tokens],
-        gpu_attention_tokens=attention_tokens, gpu_attention_seconds=[stages.gpu_attention(t) for t in attention_tokens],
+        gpu_attention_tokens=attention_tokens,
+        gpu_attention_seconds=[stages.gpu_attention(t) for t in attention_tokens],
         prefill_lengths=prefill_lengths, prefill_seconds=[stages.prefill_attention(n) for n in prefill_lengths],
         host_attention_requests=host_requests,
         host_attention_tokens=[list(host_tokens) for _ in host_requests],
