@@ -139,13 +139,23 @@ def _pair(stats: dict, scale: float) -> str:
     return f"{stats['p50'] * scale:.2f}/{stats['p90'] * scale:.2f}"
 
 
+def plot(args: argparse.Namespace, scenario: Scenario) -> int:
+    from .plots import draw_cores, draw_heatmap
+    path = args.plot_output or f"simulate-{args.plot}.png"
+    if args.plot == "heatmap":
+        draw_heatmap(scenario, number_list(args.sweep_host_read_gbps, "--sweep-host-read-gbps"),
+                     number_list(args.sweep_gpu_kv_cache_gib, "--sweep-gpu-kv-cache-gib"), path)
+    else:
+        names = [name.strip() for name in args.sweep_hardware.split(",") if name.strip()]
+        draw_cores(scenario, [hardware_from_args(args, name) for name in names], path)
+    print(f"wrote {path}")
+    return 0
+
+
 def simulate_command(args: argparse.Namespace) -> int:
-    if args.plot is not None:
-        from .plots import plot_from_args
-        path = plot_from_args(args)
-        print(f"wrote {path}")
-        return 0
     scenario = scenario_from_args(args)
+    if args.plot is not None:
+        return plot(args, scenario)
     results = run_scenario(scenario, show_progress=not args.no_progress and sys.stderr.isatty())
     if args.json:
         settings = {**dataclasses.asdict(scenario), "hardware": dataclasses.asdict(scenario.hardware)}

@@ -6,11 +6,10 @@ completion.
 - ``cores``: against the host cores of a list of machines (by default the A10G series, whose
   host memory bandwidth grows with its vCPUs).
 
-``gain_grid`` and ``gain_by_cores`` compute the figures; ``plot_from_args`` draws them (matplotlib,
-no display needed).
+``gain_grid`` and ``gain_by_cores`` compute the figures; ``draw_heatmap`` and ``draw_cores`` draw
+them (matplotlib, no display needed).
 """
 
-import argparse
 import dataclasses
 
 from .hardware import Hardware, with_overrides
@@ -45,44 +44,51 @@ def gain_by_cores(scenario: Scenario, machines: list[Hardware]) -> list[tuple[in
     return [(machine.host_cores, gain(dataclasses.replace(scenario, hardware=machine))) for machine in machines]
 
 
-def plot_from_args(args: argparse.Namespace) -> str:
-    """Draw ``args.plot`` for the command line's scenario; returns the PNG's path."""
+def draw_heatmap(scenario: Scenario, host_read_gbps: list[float], gpu_kv_cache_gib: list[float], path: str) -> None:
+    """The ``heatmap`` plot (see the module docstring) as a PNG at ``path``."""
+    plt = _pyplot()
+    grid = gain_grid(scenario, host_read_gbps, gpu_kv_cache_gib)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    image = axes.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+    for row, values in enumerate(grid):
+        for column, value in enumerate(values):
+            axes.text(column, row, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
+    axes.set_xticks(range(len(host_read_gbps)), [f"{b:g}" for b in host_read_gbps])
+    axes.set_yticks(range(len(gpu_kv_cache_gib)), [f"{p:g}" for p in gpu_kv_cache_gib])
+    axes.set_xlabel("host read bandwidth, GB/s")
+    axes.set_ylabel("GPU KV pool, GiB")
+    figure.colorbar(image, ax=axes, label="gain")
+    axes.set_title(f"{_title(scenario)}\n{scenario.hardware.name}", fontsize=9)
+    _save(plt, figure, path)
+
+
+def draw_cores(scenario: Scenario, machines: list[Hardware], path: str) -> None:
+    """The ``cores`` plot (see the module docstring) as a PNG at ``path``."""
+    plt = _pyplot()
+    points = gain_by_cores(scenario, machines)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.plot([cores for cores, _ in points], [value for _, value in points], marker="o")
+    for machine, (cores, value) in zip(machines, points):
+        axes.annotate(machine.name, (cores, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("host cores (vCPUs)")
+    axes.set_ylabel("gain")
+    axes.set_title(_title(scenario), fontsize=9)
+    _save(plt, figure, path)
+
+
+def _title(scenario: Scenario) -> str:
+    return f"{scenario.model}, {scenario.workload}, {scenario.num_requests} requests: neo / gpu-only"
+
+
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    from .command import hardware_from_args, number_list, scenario_from_args
 
-    scenario = scenario_from_args(args)
-    path = args.plot_output or f"simulate-{args.plot}.png"
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    title = f"{scenario.model}, {scenario.workload}, {scenario.num_requests} requests: neo / gpu-only"
-    if args.plot == "heatmap":
-        bandwidths = number_list(args.sweep_host_read_gbps, "--sweep-host-read-gbps")
-        pools = number_list(args.sweep_gpu_kv_cache_gib, "--sweep-gpu-kv-cache-gib")
-        grid = gain_grid(scenario, bandwidths, pools)
-        image = axes.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
-        for row, values in enumerate(grid):
-            for column, value in enumerate(values):
-                axes.text(column, row, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
-        axes.set_xticks(range(len(bandwidths)), [f"{b:g}" for b in bandwidths])
-        axes.set_yticks(range(len(pools)), [f"{p:g}" for p in pools])
-        axes.set_xlabel("host read bandwidth, GB/s")
-        axes.set_ylabel("GPU KV pool, GiB")
-        figure.colorbar(image, ax=axes, label="gain")
-        axes.set_title(f"{title}\n{scenario.hardware.name}", fontsize=9)
-    else:
-        names = [name.strip() for name in args.sweep_hardware.split(",") if name.strip()]
-        machines = [hardware_from_args(args, name) for name in names]
-        points = gain_by_cores(scenario, machines)
-        axes.plot([cores for cores, _ in points], [value for _, value in points], marker="o")
-        for name, (cores, value) in zip(names, points):
-            axes.annotate(name, (cores, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel("host cores (vCPUs)")
-        axes.set_ylabel("gain")
-        axes.set_title(title, fontsize=9)
+def _save(plt, figure, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    return path
