@@ -9,7 +9,8 @@
    cut at a time limit (``neo.bench``: the window from 20% of the run to its end), so each
    scenario is simulated with the same request count and time limit and its steady window is
    compared; the simulated ratio over the whole run to completion is shown beside it.
-3. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
+3. Iteration and host batch times: simulated against those measured.
+4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
 
 CPU only; about a minute.
 
@@ -17,13 +18,14 @@ CPU only; about a minute.
 """
 
 import argparse
+import statistics
 from importlib import resources
 
 from neo.models.loader import resolve_model_config
-from neo.sched.perf_model import PerfTable
+from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sim.hardware import preset, with_overrides
 from neo.sim.scenario import Scenario, run_scenario
-from neo.sim.stage_times import StageModel
+from neo.sim.stage_times import StageModel, synthesize_table
 
 PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
 POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_model_len=4096)
@@ -111,6 +113,45 @@ def h100_scenarios() -> None:
     print()
 
 
+def iteration_times() -> None:
+    """Simulated against measured iteration and host batch times (medians)."""
+    print("## Iteration and host batch times, simulated vs measured (medians)\n")
+    print("| what | measured | numbers alone | profile |\n| --- | --- | --- | --- |")
+    hardware = preset("h100")
+    model = resolve_model_config("llama-3.1-8b")
+    table = synthesize_table(model, hardware, max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192,
+                             pool_tokens=1 << 20)
+    for batch, measured in ((64, 11.88), (256, 26.50)):
+        seconds = PerfModel(table).graph_decode(batch, batch * 1024)
+        print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline) | "
+              f"{measured:.2f} ms | {1e3 * seconds:.2f} ms | - |")
+    runs = [("500/500", 256, 50, "prefill step 0.876 s", None),
+            ("1000/300", 256, 50, "prefill step 0.865-0.906 s", None),
+            ("500/500", 300, 60, "host batch 281 requests, 0.53 s", "journal 2026-11-25 first"),
+            ("1000/300", 200, 90, "host batch 172.5 requests, 0.72 s", "journal 2026-11-25 first")]
+    for shape, requests, seconds, measured, source in runs:
+        prompt, output = shape.split("/")
+        settings = dict(model="qwen2.5-32b", workload=f"synthetic:input={prompt},output={output}", **POOR)
+        cells = []
+        for profile in (None, PROFILE):
+            prefill_steps = []
+
+            def record(plan, step_seconds):
+                if plan.sub_batches and plan.sub_batches[0].prefills:
+                    prefill_steps.append(step_seconds)
+
+            neo = run_scenario(Scenario(hardware=hardware, num_requests=requests, duration=seconds, profile=profile,
+                                        policies=("neo",), **settings), on_iteration=record)[0].summary()
+            if measured.startswith("prefill"):
+                cells.append(f"prefill step {statistics.median(prefill_steps):.3f} s")
+            else:
+                cells.append(f"host batch {neo['host_batch_requests']['p50']} requests, "
+                             f"{neo['host_batch_s']['p50']:.2f} s")
+        print(f"| 32B poor {shape}, neo, {requests} requests, {seconds} s ({source or 'RESULTS.md'}) | {measured} | "
+              f"{cells[0]} | {cells[1]} |")
+    print()
+
+
 def paper() -> None:
     print("## The NEO paper's figures vs simulated (whole runs to completion, 200 requests)\n")
     print("| paper figure | machine, model, workload | simulated neo / gpu-only |\n| --- | --- | --- |")
@@ -143,12 +184,15 @@ def paper() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="stages,h100,paper", help="comma-separated: stages, h100, paper")
+    parser.add_argument("--sections", default="stages,h100,iterations,paper",
+                        help="comma-separated: stages, h100, iterations, paper")
     sections = parser.parse_args().sections.split(",")
     if "stages" in sections:
         stage_table_comparison()
     if "h100" in sections:
         h100_scenarios()
+    if "iterations" in sections:
+        iteration_times()
     if "paper" in sections:
         paper()
 

@@ -37,7 +37,7 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     machine = parser.add_argument_group("hardware overrides (the preset's figure otherwise)")
     for field in OVERRIDABLE:
         kind = int if field == "host_cores" else float
-        machine.add_argument(option_name(field), dest=f"hardware_{field}", type=kind, default=None)
+        machine.add_argument(option_name(field), dest=f"hardware_{field}", type=kind, default=None, metavar="N")
     machine.add_argument("--pcie-gbps", type=float, default=None, help="both copy directions")
     parser.add_argument("--profile", default=None,
                         help="a `neo profile` table (JSON) instead of synthesized stage times")
