@@ -20,6 +20,7 @@ from .config import HOST_PIPELINES, POLICIES, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
 from .server.arguments import add_server_arguments
+from .sim.command import add_simulate_command
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_server_arguments(serve)
     serve.set_defaults(handler=_serve)
+    add_simulate_command(commands)
 
     for command in commands.choices.values():
         add_global_arguments(command, default=argparse.SUPPRESS)

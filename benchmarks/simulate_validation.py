@@ -1,0 +1,201 @@
+"""The what-if simulator (``neo simulate``) against what was measured: prints the tables.
+
+1. Stage times: the table synthesized for the ``h100`` preset against the measured H100
+   profile of Qwen2.5-32B shapes (``neo/sim/profiles``), point by point (synthesized /
+   measured).
+2. The H100 offloading scenarios of ``benchmarks/offload.py`` (RESULTS.md, "Offloading
+   policies offline"): neo / gpu-only, measured against simulated from hardware numbers alone
+   and (32B) from the measured profile. The measured figures are steady-window ratios of runs
+   cut at a time limit (``neo.bench``: the window from 20% of the run to its end), so each
+   scenario is simulated with the same request count and time limit and its steady window is
+   compared; the simulated ratio over the whole run to completion is shown beside it.
+3. Iteration and host batch times: simulated against those measured.
+4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
+
+CPU only; about a minute.
+
+    python benchmarks/simulate_validation.py
+"""
+
+import argparse
+import statistics
+from importlib import resources
+
+from neo.models.loader import resolve_model_config
+from neo.sched.perf_model import PerfModel, PerfTable
+from neo.sim.hardware import preset, with_overrides
+from neo.sim.scenario import Scenario, run_scenario
+from neo.sim.stage_times import StageModel, synthesize_table
+
+PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
+POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_model_len=4096)
+
+# (label, scenario settings, requests, seconds, measured neo/gpu-only ratios, where measured)
+H100_SCENARIOS = [
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
+     200, 30, (1.83,), "RESULTS.md, 2026-11-25 sixth session"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
+     256, 50, (1.93,), "RESULTS.md, 2026-11-25 fourth session"),
+    ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
+     200, 30, (1.21,), "RESULTS.md, 2026-11-25 sixth session"),
+    ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
+     256, 50, (1.42, 1.51), "RESULTS.md, 2026-11-25 fourth session, two starts"),
+    ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
+     200, 90, (1.69,), "journal 2026-11-25 first session (54a3b7d)"),
+] + [
+    (f"8B poor 1000/{output}", dict(model="llama-3.1-8b", workload=f"synthetic:input=1000,output={output}", **POOR),
+     200, 20, (ratio,), "RESULTS.md, 2026-11-25 fourth session")
+    for output, ratio in ((50, 1.19), (100, 1.30), (200, 1.22), (300, 1.19), (400, 1.24))
+] + [
+    ("8B full memory, Azure code", dict(model="llama-3.1-8b", workload="azure-code", cpu_kv_cache_gib=64.0,
+                                        max_num_seqs=512, max_model_len=8192),
+     256, 30, (1.00, 1.01), "RESULTS.md, 2026-11-25 fourth session, two starts"),
+]
+
+
+def ratios(results) -> tuple[float, float]:
+    """(steady-window ratio, whole-run ratio) of neo over gpu-only."""
+    gpu_only, neo = results
+    return (neo.steady_output_tokens_per_s / gpu_only.steady_output_tokens_per_s,
+            neo.output_tokens_per_s / gpu_only.output_tokens_per_s)
+
+
+def simulate(settings: dict, hardware, requests: int, duration: float | None, profile: str | None = None,
+             policies=("gpu-only", "neo")):
+    return run_scenario(Scenario(hardware=hardware, num_requests=requests, duration=duration, profile=profile,
+                                 policies=policies, **settings))
+
+
+def stage_table_comparison() -> None:
+    measured = PerfTable.load(PROFILE)
+    stages = StageModel(resolve_model_config("qwen2.5-32b"), preset("h100"))
+    print("## Stage times: synthesized h100 / measured H100 profile, Qwen2.5-32B\n")
+    rows = [("linear", measured.linear_tokens, measured.linear_seconds, stages.linear),
+            ("gpu_attention", measured.gpu_attention_tokens, measured.gpu_attention_seconds, stages.gpu_attention),
+            ("prefill_attention", measured.prefill_lengths, measured.prefill_seconds, stages.prefill_attention),
+            ("graph_decode", measured.graph_decode_requests, measured.graph_decode_seconds, stages.graph_decode)]
+    print("| table | points (x: ratio) |\n| --- | --- |")
+    for name, xs, ys, synthesized in rows:
+        print(f"| {name} | " + ", ".join(f"{x}: {synthesized(x) / y:.2f}" for x, y in zip(xs, ys)) + " |")
+    for requests, xs, ys in zip(measured.host_attention_requests, measured.host_attention_tokens,
+                                measured.host_attention_seconds):
+        print(f"| host_attention, {requests} requests | "
+              + ", ".join(f"{x}: {stages.host_attention(requests, x) / y:.2f}" for x, y in zip(xs, ys)) + " |")
+    hardware, layers = preset("h100"), stages.layers
+    pipeline = layers * hardware.pipeline_overhead_us * 1e-6 / measured.pipeline_overhead
+    host_batch = layers * hardware.host_batch_overhead_us * 1e-6 / measured.host_batch_overhead
+    print(f"| overheads | pipeline: {pipeline:.2f}, host batch: {host_batch:.2f}, iteration: "
+          f"{hardware.iteration_overhead_us * 1e-6:.4f} s vs {measured.iteration_overhead:.4f} s |\n")
+
+
+def h100_scenarios() -> None:
+    hardware = preset("h100")
+    print("## H100 offloading scenarios: neo / gpu-only, measured vs simulated\n")
+    print("Steady window of runs cut at the measured run length (as measured); whole run to completion beside it.\n")
+    print("| scenario | requests, s | measured | numbers alone: steady (error) / whole run | profile: steady (error) "
+          "/ whole run | simulated gpu-only / neo steady tok/s (numbers alone) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, settings, requests, seconds, measured, source in H100_SCENARIOS:
+        cut = simulate(settings, hardware, requests, seconds)
+        steady, _ = ratios(cut)
+        whole = ratios(simulate(settings, hardware, requests, None))[1]
+        reference = sum(measured) / len(measured)
+        cells = [f"{steady:.2f}x ({steady / reference - 1:+.0%}) / {whole:.2f}x"]
+        if settings["model"] == "qwen2.5-32b":
+            profiled = ratios(simulate(settings, hardware, requests, seconds, PROFILE))[0]
+            profiled_whole = ratios(simulate(settings, hardware, requests, None, PROFILE))[1]
+            cells.append(f"{profiled:.2f}x ({profiled / reference - 1:+.0%}) / {profiled_whole:.2f}x")
+        else:
+            cells.append("-")
+        print(f"| {label} | {requests}, {seconds} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | "
+              f"{cells[0]} | {cells[1]} | {cut[0].steady_output_tokens_per_s:.0f} / "
+              f"{cut[1].steady_output_tokens_per_s:.0f} |")
+    print()
+
+
+def iteration_times() -> None:
+    """Simulated against measured iteration and host batch times (medians)."""
+    print("## Iteration and host batch times, simulated vs measured (medians)\n")
+    print("| what | measured | numbers alone | profile |\n| --- | --- | --- | --- |")
+    hardware = preset("h100")
+    model = resolve_model_config("llama-3.1-8b")
+    table = synthesize_table(model, hardware, max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192,
+                             pool_tokens=1 << 20)
+    for batch, measured in ((64, 11.88), (256, 26.50)):
+        seconds = PerfModel(table).graph_decode(batch, batch * 1024)
+        print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline) | "
+              f"{measured:.2f} ms | {1e3 * seconds:.2f} ms | - |")
+    runs = [("500/500", 256, 50, "prefill step 0.876 s", None),
+            ("1000/300", 256, 50, "prefill step 0.865-0.906 s", None),
+            ("500/500", 300, 60, "host batch 281 requests, 0.53 s", "journal 2026-11-25 first"),
+            ("1000/300", 200, 90, "host batch 172.5 requests, 0.72 s", "journal 2026-11-25 first")]
+    for shape, requests, seconds, measured, source in runs:
+        prompt, output = shape.split("/")
+        settings = dict(model="qwen2.5-32b", workload=f"synthetic:input={prompt},output={output}", **POOR)
+        cells = []
+        for profile in (None, PROFILE):
+            prefill_steps = []
+
+            def record(plan, step_seconds):
+                if plan.sub_batches and plan.sub_batches[0].prefills:
+                    prefill_steps.append(step_seconds)
+
+            neo = run_scenario(Scenario(hardware=hardware, num_requests=requests, duration=seconds, profile=profile,
+                                        policies=("neo",), **settings), on_iteration=record)[0].summary()
+            if measured.startswith("prefill"):
+                cells.append(f"prefill step {statistics.median(prefill_steps):.3f} s")
+            else:
+                cells.append(f"host batch {neo['host_batch_requests']['p50']} requests, "
+                             f"{neo['host_batch_s']['p50']:.2f} s")
+        print(f"| 32B poor {shape}, neo, {requests} requests, {seconds} s ({source or 'RESULTS.md'}) | {measured} | "
+              f"{cells[0]} | {cells[1]} |")
+    print()
+
+
+def paper() -> None:
+    print("## The NEO paper's figures vs simulated (whole runs to completion, 200 requests)\n")
+    print("| paper figure | machine, model, workload | simulated neo / gpu-only |\n| --- | --- | --- |")
+    t4 = preset("g4dn.4xlarge")
+    # The GPU pool (0.9 GiB, about 1800 tokens) cannot hold the trace's longest prompts: they are
+    # cut to a 1536-token context there.
+    for workload, context in (("synthetic:input=1000,output=300", 4096), ("synthetic:input=500,output=500", 4096),
+                              ("azure-code", 1536)):
+        results = simulate(dict(model="llama-2-7b", workload=workload, gpu_kv_cache_gib=0.9,
+                                max_num_batched_tokens=2048, max_model_len=context), t4, 200, None)
+        print(f"| T4: up to 7.5x | g4dn.4xlarge, Llama-2-7B, 0.9 GiB GPU KV pool, {workload}, context {context} | "
+              f"{ratios(results)[1]:.2f}x |")
+    for name, paper_figure in (("g5.2xlarge", "+12%"), ("g5.4xlarge", ""), ("g5.8xlarge", ""),
+                               ("g5.16xlarge", "+79%")):
+        cells = []
+        for output in (50, 100, 200, 300, 400):
+            results = simulate(dict(model="llama-3.1-8b", workload=f"synthetic:input=1000,output={output}",
+                                    max_model_len=4096), preset(name), 200, None)
+            cells.append(f"{output}: {ratios(results)[1]:.2f}x")
+        print(f"| A10G host scaling (+12% at 8 to +79% at 64 vCPUs): {paper_figure or '-'} | {name}, "
+              f"Llama-3-8B shapes, input 1000 | {', '.join(cells)} |")
+    hardware = preset("h100")
+    doubled = with_overrides(hardware, {"gpu_memory_gib": 2 * hardware.gpu_memory_gib,
+                                        "hbm_gbps": 2 * hardware.hbm_gbps, "bf16_tflops": 2 * hardware.bf16_tflops})
+    results = simulate(dict(model="llama-3.1-70b", workload="synthetic:input=1000,output=300", max_model_len=4096),
+                       doubled, 200, None)
+    print(f"| 2xH100, 70B: +14% | one 'GPU' with twice an H100's memory, bandwidth and FLOP/s (no "
+          f"tensor-parallel communication), 16-core host, Llama-3.1-70B, 1000/300 | {ratios(results)[1]:.2f}x |\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="stages,h100,iterations,paper",
+                        help="comma-separated: stages, h100, iterations, paper")
+    sections = parser.parse_args().sections.split(",")
+    if "stages" in sections:
+        stage_table_comparison()
+    if "h100" in sections:
+        h100_scenarios()
+    if "iterations" in sections:
+        iteration_times()
+    if "paper" in sections:
+        paper()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The what-if simulator (``neo.sim``): the real scheduler against simulated time, stage
+tables synthesized from hardware numbers, and ``neo simulate`` end to end. CPU only."""
+
+import json
+from importlib import resources
+
+import pytest
+
+from neo import cli
+from neo.bench.workload_request import WorkloadRequest
+from neo.bench.workloads import parse_workload
+from neo.config import EngineConfig
+from neo.models.loader import resolve_model_config
+from neo.sched import stage_order as stage_orders
+from neo.sched.cost import StageTimes
+from neo.sched.perf_model import PerfModel, PerfTable
+from neo.sched.placement import PLACEMENTS, TwoSubBatches
+from neo.sched.stage_order import SEQUENTIAL, StageOrder, attn_gpu, attn_host, post, pre
+from neo.sim.hardware import PRESETS, preset, with_overrides
+from neo.sim.plots import gain_grid
+from neo.sim.scenario import Scenario, run_scenario
+from neo.sim.simulator import Simulation
+from neo.sim.stage_times import StageModel, synthesize_table
+
+PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
+SMALL = dict(model="llama-3.1-8b", hardware=preset("g5.2xlarge"), gpu_kv_cache_gib=0.25, cpu_kv_cache_gib=8.0,
+             max_num_seqs=64, max_num_batched_tokens=2048)
+
+
+def small_scenario(**changes) -> Scenario:
+    settings = dict(SMALL, workload="synthetic:input=300,output=40", num_requests=48,
+                    policies=("gpu-only", "neo", "full-offload"))
+    settings.update(changes)
+    return Scenario(**settings)
+
+
+# -- the scheduler is the real one -----------------------------------------------------------
+
+
+class CountingPlacement(TwoSubBatches):
+    """The lockstep placement, counting its plans (a placement the simulator does not know)."""
+
+    plans = 0
+
+    def place(self, scheduler, batch0, host_requests, plan):
+        CountingPlacement.plans += 1
+        super().place(scheduler, batch0, host_requests, plan)
+
+
+def test_a_new_placement_and_stage_order_are_simulated_without_simulator_changes(monkeypatch):
+    monkeypatch.setitem(PLACEMENTS, "counting", (CountingPlacement, "lockstep"))
+    order = StageOrder("host-first", 2, (post(1), pre(1), attn_host(1), attn_gpu(1), post(0), pre(0), attn_host(0),
+                                         attn_gpu(0)), "each host attention issued before its GPU attention")
+    monkeypatch.setitem(stage_orders.STAGE_ORDERS, order.name, order)
+    monkeypatch.setattr(stage_orders, "TWO_SUB_BATCH_ORDERS", stage_orders.TWO_SUB_BATCH_ORDERS + (order.name,))
+    CountingPlacement.plans = 0
+    orders = set()
+    scenario = small_scenario(policies=("neo",), host_pipeline="lockstep", placement="counting", stage_order=order.name)
+    [result] = run_scenario(scenario, on_iteration=lambda plan, seconds: orders.add(plan.stage_order.name))
+    assert CountingPlacement.plans >= result.iterations > 0
+    assert result.two_sub_batch_iterations > 0 and order.name in orders
+    assert result.finished_requests == scenario.num_requests
+
+
+# -- synthesized stage tables -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hardware", sorted(PRESETS))
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-3.1-8b", "qwen2.5-32b"])
+def test_synthesized_tables_are_monotone(hardware, model):
+    table = synthesize_table(resolve_model_config(model), preset(hardware), max_num_batched_tokens=8192,
+                             max_num_seqs=256, max_model_len=8192, pool_tokens=1 << 20)
+
+    def non_decreasing(xs, ys):
+        return xs == sorted(xs) and all(b >= a > 0 for a, b in zip(ys, ys[1:]))
+
+    assert non_decreasing(table.linear_tokens, table.linear_seconds)
+    assert non_decreasing(table.gpu_attention_tokens, table.gpu_attention_seconds)
+    assert non_decreasing(table.prefill_lengths, table.prefill_seconds)
+    assert non_decreasing(table.graph_decode_requests, table.graph_decode_seconds)
+    assert table.host_attention_requests and table.host_attention_requests == sorted(table.host_attention_requests)
+    for tokens, seconds in zip(table.host_attention_tokens, table.host_attention_seconds):
+        assert non_decreasing(tokens, seconds)
+    for row, next_row in zip(table.host_attention_seconds, table.host_attention_seconds[1:]):
+        assert all(b >= a for a, b in zip(row, next_row))  # more requests over the same tokens
+
+
+def test_synthesized_times_scale_as_the_roofline_says():
+    model = resolve_model_config("llama-3.1-8b")
+    base = preset("a100")
+    stages = StageModel(model, base)
+    faster_memory = StageModel(model, with_overrides(base, {"hbm_gbps": 2 * base.hbm_gbps}))
+    faster_host = StageModel(model, with_overrides(base, {"host_read_gbps": 2 * base.host_read_gbps,
+                                                           "host_read_gbps_per_thread": 100.0}))
+    for tokens in (1, 4, 16):  # decode batches: memory bound
+        assert faster_memory.linear(tokens) == pytest.approx(stages.linear(tokens) / 2, rel=0.01)
+    assert faster_memory.linear(8192) == pytest.approx(stages.linear(8192), rel=0.01)  # compute bound
+    assert faster_memory.gpu_attention(1 << 20) == pytest.approx(stages.gpu_attention(1 << 20) / 2, rel=0.01)
+    context = 1 << 22  # the bytes dominate the per-layer overheads
+    assert faster_host.host_attention(64, context) < 0.55 * stages.host_attention(64, context)
+    # host read bandwidth grows with threads up to its saturation
+    hardware = preset("h100")
+    assert hardware.host_read_bandwidth(4) == 4 * hardware.host_read_gbps_per_thread
+    assert hardware.host_read_bandwidth(hardware.host_attention_threads) == hardware.host_read_gbps
+
+
+def test_dtype_follows_the_hardware():
+    assert preset("g4dn.4xlarge").dtype == "float16"
+    assert preset("h100").dtype == preset("g5.2xlarge").dtype == "bfloat16"
+
+
+# -- simulated time ---------------------------------------------------------------------------
+
+
+def test_with_a_measured_profile_each_iteration_takes_the_cost_functions_time():
+    """Lockstep neo on the measured H100 profile: every plan with prefills (no CUDA graph) and
+    no swaps takes exactly the cost function's time of its stage order and stage times."""
+    table = PerfTable.load(PROFILE)
+    model = PerfModel(table)
+    checked = []
+
+    def check(plan, seconds):
+        if plan.has_swaps or not plan.sub_batches[0].prefills:
+            return
+        times = []
+        for batch in plan.sub_batches:
+            host_tokens = sum(r.num_tokens for r in batch.host_decodes)
+            times.append(StageTimes(
+                model.linear(batch.num_tokens),
+                model.gpu_attention(sum(r.num_tokens for r in batch.gpu_decodes))
+                + model.prefill_attention([r.num_tokens for r in batch.prefills]),
+                model.host_attention(len(batch.host_decodes), host_tokens)))
+        assert plan.stage_order is (SEQUENTIAL if len(times) == 1 else stage_orders.ASYMMETRIC)
+        assert seconds == pytest.approx(model.iteration_time(plan.stage_order, times), rel=1e-9)
+        checked.append(len(times))
+
+    scenario = Scenario(model="qwen2.5-32b", hardware=preset("h100"), workload="synthetic:input=500,output=60",
+                        num_requests=60, policies=("neo",), host_pipeline="lockstep", gpu_kv_cache_gib=1.0,
+                        cpu_kv_cache_gib=32.0, profile=PROFILE)
+    [result] = run_scenario(scenario, on_iteration=check)
+    assert result.finished_requests == 60
+    assert 2 in checked and 1 in checked
+
+
+def test_gpu_only_decode_throughput_is_batch_over_iteration_time():
+    """Requests that all fit the GPU pool: after the prefill, every iteration decodes the whole
+    batch in the same time (a table without context-dependent costs), so the steady window's
+    throughput is the batch over that time."""
+    tokens = [1, 8192]
+    table = PerfTable(linear_tokens=tokens, linear_seconds=[0.01 + 1e-6 * t for t in tokens],
+                      gpu_attention_tokens=[1], gpu_attention_seconds=[0.0], prefill_lengths=[1],
+                      prefill_seconds=[0.0])
+    config = EngineConfig(model="llama-3.1-8b", policy="gpu-only", gpu_kv_cache_gib=2.0, max_num_seqs=32,
+                          dtype="bfloat16")
+    batch, output_len = 32, 201
+    simulation = Simulation(config, resolve_model_config("llama-3.1-8b"), preset("h100"), table, 4096)
+    result = simulation.run([WorkloadRequest(100, output_len)] * batch)
+    decode_seconds = PerfModel(table).iteration_time(SEQUENTIAL, [StageTimes(PerfModel(table).linear(batch), 0.0, 0.0)])
+    assert result.iterations == output_len
+    assert result.steady_output_tokens_per_s == pytest.approx(batch / decode_seconds, rel=1e-6)
+    assert result.tpot_s == pytest.approx([decode_seconds] * batch, rel=1e-6)
+
+
+@pytest.mark.parametrize("host_pipeline", ["async", "lockstep"])
+def test_every_request_finishes(host_pipeline, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_len": 100 + 37 * i % 400, "output_len": 5 + 13 * i % 90,
+                                         "arrival_s": 0.05 * i}) + "\n" for i in range(40)))
+    for workload in ("synthetic:input=300,output=40", f"file:{trace}"):
+        scenario = small_scenario(workload=workload, host_pipeline=host_pipeline)
+        expected = sum(item.output_len for item in parse_workload(workload, scenario.num_requests))
+        for result in run_scenario(scenario):
+            assert result.finished_requests == result.num_requests, (workload, result.policy)
+            assert result.output_tokens == expected
+            assert len(result.ttft_s) == result.num_requests and all(t >= 0 for t in result.ttft_s)
+        neo = run_scenario(small_scenario(workload=workload, host_pipeline=host_pipeline, policies=("neo",)))[0]
+        assert neo.host_decode_share > 0  # the GPU pool is small: some requests decode on the host
+
+
+@pytest.mark.parametrize("override", [{"host_cores": 1}, {"host_read_gbps": 0}])
+def test_no_host_attention_makes_neo_plan_as_gpu_only(override):
+    hardware = with_overrides(SMALL["hardware"], override)
+    gpu_only, neo = run_scenario(small_scenario(hardware=hardware, policies=("gpu-only", "neo")))
+    assert neo.host_decode_share == 0 and neo.note
+    assert neo.output_tokens_per_s == pytest.approx(gpu_only.output_tokens_per_s)
+    assert neo.iterations == gpu_only.iterations
+
+
+# -- errors and the command line --------------------------------------------------------------
+
+
+def test_bad_hardware_and_overrides_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown hardware 'h200'; choose one of h100, a100, g4dn.4xlarge"):
+        preset("h200")
+    with pytest.raises(ValueError, match="host_read_gbps must be >= 0, got -5"):
+        with_overrides(preset("h100"), {"host_read_gbps": -5})
+    with pytest.raises(ValueError, match="unknown hardware field 'cores'"):
+        with_overrides(preset("h100"), {"cores": 4})
+    with pytest.raises(ValueError, match="hbm_gbps must be > 0"):
+        with_overrides(preset("h100"), {"hbm_gbps": 0})
+    with pytest.raises(ValueError, match="do not fit gpu_memory_gib=4"):
+        run_scenario(small_scenario(hardware=with_overrides(preset("h100"), {"gpu_memory_gib": 4})))
+
+
+def test_cli_reports_bad_input_by_name(capsys):
+    assert cli.main(["simulate", "--model", "llama-3.1-8b", "--hardware", "t4"]) == 2
+    assert "unknown hardware 't4'; choose one of h100" in capsys.readouterr().err
+    assert cli.main(["simulate", "--model", "llama-3.1-8b", "--policies", "gpu-only,fastest"]) == 2
+    assert "--policies must list some of gpu-only" in capsys.readouterr().err
+
+
+def test_cli_end_to_end_json(capsys):
+    code = cli.main(["simulate", "--model", "llama-3.1-8b", "--hardware", "g5.2xlarge", "--host-read-gbps", "30",
+                     "--gpu-kv-cache-gib", "0.25", "--cpu-kv-cache-gib", "8", "--workload",
+                     "synthetic:input=200,output=30", "--num-requests", "24", "--max-num-seqs", "64", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scenario"]["hardware"]["host_read_gbps"] == 30
+    assert [r["policy"] for r in report["results"]] == ["gpu-only", "neo", "full-offload"]
+    for result in report["results"]:
+        assert result["finished_requests"] == 24
+        assert result["output_tokens_per_s"] > 0 and result["ttft_s"]["p50"] is not None
+
+
+def test_cli_table(capsys):
+    code = cli.main(["simulate", "--model", "llama-2-7b", "--hardware", "g4dn.4xlarge", "--gpu-kv-cache-gib", "0.5",
+                     "--max-num-batched-tokens", "2048", "--workload", "synthetic:input=200,output=30",
+                     "--num-requests", "16", "--policies", "gpu-only,neo"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "llama-2-7b on g4dn.4xlarge (float16" in out
+    assert out.count("x ") >= 2 and "neo" in out
+
+
+def test_a_prompt_that_never_fits_is_refused_by_name():
+    with pytest.raises(ValueError, match="tokens can never fit the KV pools: the largest the gpu-only policy "
+                                         "decodes in holds 400 tokens"):
+        run_scenario(small_scenario(workload="synthetic:input=500,output=10", gpu_kv_cache_gib=0.05,
+                                    policies=("gpu-only",)))
+
+
+def test_plots_are_written(tmp_path, capsys):
+    common = ["simulate", "--model", "llama-3.1-8b", "--gpu-kv-cache-gib", "0.25", "--cpu-kv-cache-gib", "8",
+              "--workload", "synthetic:input=300,output=40", "--num-requests", "24", "--max-num-seqs", "64"]
+    heatmap, cores = tmp_path / "heatmap.png", tmp_path / "cores.png"
+    assert cli.main(common + ["--hardware", "g5.2xlarge", "--plot", "heatmap", "--sweep-host-read-gbps", "10,80",
+                              "--sweep-gpu-kv-cache-gib", "0.25,0.5", "--plot-output", str(heatmap)]) == 0
+    assert cli.main(common + ["--plot", "cores", "--sweep-hardware", "g5.2xlarge,g5.16xlarge",
+                              "--plot-output", str(cores)]) == 0
+    for path in (heatmap, cores):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(common + ["--plot", "heatmap", "--sweep-host-read-gbps", "10,-1"]) == 2
+    assert "--sweep-host-read-gbps must list positive numbers" in capsys.readouterr().err
+
+
+def test_gain_grows_with_host_bandwidth():
+    [[slow, fast]] = gain_grid(small_scenario(), [5.0, 200.0], [0.25])
+    assert fast > slow
