@@ -14,6 +14,10 @@ there is nothing to do. Each pass of its loop applies the pending commands, runs
 iteration, hands every output to its request's queue in one batch, feeds the latency
 histograms (``latency.py``) and publishes an ``EngineStats`` snapshot for ``/metrics``.
 
+A request with ``SamplingParams.n`` > 1 is a ``ParentRequest`` in the engine: its outputs, its
+abort (the client gone, a shutdown) and its final output speak of the parent's id and cover all
+its children; the latency histograms follow each child as a request of its own.
+
 When another iteration follows at once, an iteration's outputs are handed out only once that
 next iteration's device work is queued (``LLMEngine.step``'s ``on_launched``): the event
 loop's work on them (detokenizing, SSE events, sockets) then runs while the engine thread
