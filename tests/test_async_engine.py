@@ -153,6 +153,47 @@ def test_abort_ends_the_stream_with_abort(seed):
     assert used == 0
 
 
+def test_parallel_sampling_abort_and_stop_end_every_child(seed):
+    """n=3 requests: ``abort`` ends the parent with every child's final state (finish reason
+    "abort", logprobs kept), ``stop_accepting`` does the same for one in flight, and no KV
+    block stays in use."""
+    prompt = random_prompts(seed, 1)[0]
+    params = SamplingParams(n=3, seed=seed, max_tokens=500, ignore_eos=True, logprobs=1)
+
+    async def finals_of(async_engine, request_id, end) -> list:
+        outputs = []
+        async for output in async_engine.generate(prompt, params, request_id):
+            outputs.append(output)
+            if len(outputs) == 3:
+                end()
+        return outputs
+
+    async def main():
+        async_engine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE_OPTIONS)))
+        async_engine.start()
+        try:
+            aborted = await finals_of(async_engine, "aborted",
+                                      lambda: async_engine.abort("aborted"))
+            used_after_abort = blocks_in_use(async_engine.engine)
+            stopped = await finals_of(async_engine, "stopped", async_engine.stop_accepting)
+            await wait_until(lambda: async_engine.stats.running == 0)
+            return aborted, used_after_abort, stopped, async_engine.stats
+        finally:
+            await async_engine.stop()
+
+    aborted, used_after_abort, stopped, stats = run(main)
+    for outputs in (aborted, stopped):
+        final = outputs[-1]
+        assert final.finished and final.request_id in ("aborted", "stopped")
+        assert [completion.index for completion in final.outputs] == [0, 1, 2]
+        for completion in final.outputs:
+            assert completion.finish_reason == "abort"
+            assert 2 <= len(completion.token_ids) < 500
+            assert len(completion.logprobs) == len(completion.token_ids)
+    assert used_after_abort == 0 and stats.gpu_blocks_used == 0
+    assert stats.counters["requests_aborted"] == 6
+
+
 def test_rejected_request_raises_and_others_continue(seed, reference_llm):
     prompt = random_prompts(seed, 1)[0]
     expected = reference_llm.generate(prompt, greedy(12))[0].outputs[0].token_ids

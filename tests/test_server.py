@@ -331,6 +331,35 @@ def test_batch_requests_left_early_leave_no_blocks(seed, tiny_server):
     assert not engine.has_unfinished_requests()
 
 
+def test_parallel_sampling_stream_left_early_leaves_no_blocks(tiny_server):
+    """A client leaves an n=4 stream after 3 chunks while another n=4 request is left by timing
+    out: each parent's 4 children are aborted and afterwards no KV block is in use."""
+    endless = dict(prompt=[1, 2, 3], n=4, temperature=1.0, seed=5, ignore_eos=True,
+                   return_token_ids=True, max_tokens=4000)
+
+    async def plain_leaving(client):
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(COMPLETIONS, json=endless, timeout=0.5)
+
+    async def main():
+        async with client_for(tiny_server) as client:
+            before = parse_prometheus((await client.get("/metrics")).text)
+            stream, _ = await asyncio.gather(
+                stream_request(client, COMPLETIONS, endless | {"stream": True}, stop_after=3),
+                plain_leaving(client))
+            after = await wait_for_idle(client)
+            return before, stream, after
+
+    before, stream, after = run(main())
+    assert stream.status == 200 and len(stream.chunks) == 3
+    assert metric(after, "neo_requests_aborted_total") - metric(
+        before, "neo_requests_aborted_total") == 2 * 4
+    assert metric(after, "neo_kv_cache_blocks_used", pool="gpu") == 0
+    engine = tiny_server.async_engine.engine
+    assert all(pool.num_used == 0 for pool in engine.block_manager.pools.values())
+    assert not engine.has_unfinished_requests()
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -361,11 +390,36 @@ ERROR_CASES = {
                           "stop_token_ids must be non-negative", "stop_token_ids"),
     "seed-out-of-range": (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400,
                           "seed must be an integer in [-2**63, 2**64 - 1]", "seed"),
-    "n-two": (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "'n' is not supported", "n"),
+    "n-zero": (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n must be an integer in [1, 128], "
+               "got 0", "n"),
+    "n-above-max": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 129}, 400,
+                    "n must be an integer in [1, 128], got 129", "n"),
+    "logprobs-above-max": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400,
+                           "logprobs must be None or an integer in [0, 20], got 21", "logprobs"),
+    "top-logprobs-above-max": (CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                      "logprobs": True, "top_logprobs": 21}, 400,
+                               "top_logprobs: logprobs must be None or an integer in [0, 20]",
+                               "top_logprobs"),
+    "top-logprobs-without-logprobs": (CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                             "top_logprobs": 2}, 400,
+                                      "top_logprobs (got 2) needs logprobs set to true",
+                                      "top_logprobs"),
+    "min-tokens-above-max-tokens": (COMPLETIONS, {"prompt": "hi", "max_tokens": 3,
+                                                  "min_tokens": 4}, 400,
+                                    "min_tokens must be an integer in [0, max_tokens=3], got 4",
+                                    "min_tokens"),
+    "repetition-penalty-zero": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, 400,
+                                "repetition_penalty must be a number in [0.01, 100.0]",
+                                "repetition_penalty"),
     "stream-options-without-stream": (COMPLETIONS, {"prompt": "hi", "stream_options": {
         "include_usage": True}}, 400, "only allowed when stream is true", "stream_options"),
-    "unsupported-penalty": (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, 400,
-                            "'presence_penalty' is not supported", "presence_penalty"),
+    "presence-penalty-above-max": (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, 400,
+                                   "presence_penalty must be a number in [-2.0, 2.0] (0 disables "
+                                   "it), got 3.0", "presence_penalty"),
+    "frequency-penalty-below-min": (CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                           "frequency_penalty": -2.5}, 400,
+                                    "frequency_penalty must be a number in [-2.0, 2.0]",
+                                    "frequency_penalty"),
     "batch-too-large": (COMPLETIONS, {"prompt": [[1]] * 257}, 400,
                         "a batch of 257 prompts: this server takes at most 256", "prompt"),
     "batch-mixed": (COMPLETIONS, {"prompt": ["a", [1]]}, 400, "a list of token id lists",

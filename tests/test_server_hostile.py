@@ -660,6 +660,11 @@ OPTIONAL_FIELDS = {name: st.one_of(values, JSON_VALUES) for name, values in {
     "model": st.sampled_from(["neo-tiny", "other"]),
     "logit_bias": st.dictionaries(TEXT, st.floats(), max_size=2),
     "presence_penalty": st.floats(),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(),
+    "min_tokens": st.integers(-1, 8),
+    "logprobs": st.integers(-1, 21) | st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
 }.items()}
 COMPLETION_BODIES = st.fixed_dictionaries(
     {"prompt": st.one_of(TEXT, st.lists(st.integers(-3, 400), max_size=12), JSON_VALUES),

@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+from functools import partial
 
 import httpx
 import openai
@@ -162,6 +163,179 @@ def test_batch_prompts(kind, client, reference_llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
 
+# -- n, log-probabilities, penalties and min_tokens ----------------------------------------------
+
+CHAT_MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+
+
+def stream_by_choice(chunks, chat: bool) -> tuple[dict, dict, dict]:
+    """The streamed text, finish reason and chunks of each choice index; fails on a chunk that
+    comes after its choice's finish reason."""
+    texts, finish_reasons, by_choice = {}, {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            assert choice.index not in finish_reasons, "a chunk after its choice finished"
+            text = (choice.delta.content or "") if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + text
+            by_choice.setdefault(choice.index, []).append(choice)
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    return texts, finish_reasons, by_choice
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_with_seed_equals_generate(chat, client, reference_llm):
+    """n=3 seeded completions: choice i is LLM.generate's completion i, streamed or not; usage
+    counts all three. Completion 0's second token is a stop token, so the choices finish at
+    different iterations and each finish reason comes once, in its choice's last chunk."""
+    def reference(**options) -> list:
+        params = SamplingParams(n=3, seed=11, max_tokens=6, temperature=1.0, ignore_eos=True,
+                                **options)
+        output = (reference_llm.chat(CHAT_MESSAGES, params) if chat
+                  else reference_llm.generate("Once upon", params))[0]
+        return output.outputs
+
+    stop_token = reference()[0].token_ids[1]
+    expected = reference(stop_token_ids=[stop_token])
+    assert len({len(completion.token_ids) for completion in expected}) > 1
+    assert len({completion.text for completion in expected}) == 3
+    fields = dict(model=SERVED_NAME, n=3, seed=11, max_tokens=6, temperature=1.0,
+                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_token]})
+    create = (partial(client.chat.completions.create, messages=CHAT_MESSAGES, **fields) if chat
+              else partial(client.completions.create, prompt="Once upon", **fields))
+    response = create()
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    texts = [choice.message.content if chat else choice.text for choice in response.choices]
+    assert texts == [completion.text for completion in expected]
+    assert [choice.finish_reason for choice in response.choices] == [
+        completion.finish_reason for completion in expected]
+    num_tokens = sum(len(completion.token_ids) for completion in expected)
+    assert response.usage.completion_tokens == num_tokens
+    chunks = list(create(stream=True, stream_options={"include_usage": True}))
+    streamed, finish_reasons, _ = stream_by_choice(chunks[:-1], chat)
+    assert [streamed[index] for index in range(3)] == texts
+    assert finish_reasons == {completion.index: completion.finish_reason
+                              for completion in expected}
+    assert chunks[-1].usage.completion_tokens == num_tokens
+
+
+def test_n_with_batch_prompts_orders_choices_by_prompt_then_completion(client, reference_llm):
+    prompts = ["Hello there", "a"]
+    params = SamplingParams(n=2, seed=3, max_tokens=4, temperature=1.0, ignore_eos=True)
+    expected = [completion.text for prompt in prompts
+                for completion in reference_llm.generate(prompt, params)[0].outputs]
+    fields = dict(model=SERVED_NAME, prompt=prompts, n=2, seed=3, max_tokens=4, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    completion = client.completions.create(**fields)
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    assert [choice.text for choice in completion.choices] == expected
+    assert completion.usage.completion_tokens == 16
+    streamed, finish_reasons, _ = stream_by_choice(
+        client.completions.create(stream=True, **fields), chat=False)
+    assert [streamed[index] for index in range(4)] == expected
+    assert set(finish_reasons) == {0, 1, 2, 3}
+
+
+def engine_logprobs(completion) -> list[tuple[float, list[float]]]:
+    """Each token's (sampled log-probability, the others' log-probabilities most likely
+    first) from ``CompletionOutput.logprobs``."""
+    return [(entry[token_id].logprob,
+             [logprob.logprob for logprob in sorted(entry.values(), key=lambda lp: lp.rank)])
+            for token_id, entry in zip(completion.token_ids, completion.logprobs)]
+
+
+def test_chat_logprobs_equal_generate(client, reference_llm):
+    expected = reference_llm.chat(CHAT_MESSAGES, SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))[0].outputs[0]
+    tokenizer = reference_llm.get_tokenizer()
+    fields = dict(model=SERVED_NAME, messages=CHAT_MESSAGES, max_tokens=5, temperature=0,
+                  logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**fields)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry, token_id, (sampled, ranked) in zip(content, expected.token_ids,
+                                                   engine_logprobs(expected)):
+        assert entry.token == tokenizer.decode([token_id], skip_special_tokens=False)
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(sampled, abs=1e-5)
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx(ranked[:3], abs=1e-5)
+    chunks = list(client.chat.completions.create(stream=True, **fields))
+    streamed = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for entry in choice.logprobs.content]
+    assert [entry.model_dump() for entry in streamed] == [entry.model_dump() for entry in content]
+    plain = client.chat.completions.create(model=SERVED_NAME, messages=CHAT_MESSAGES,
+                                           max_tokens=2, logprobs=True)
+    assert all(entry.top_logprobs == [] for entry in plain.choices[0].logprobs.content)
+
+
+def test_completion_logprobs_equal_generate(client, reference_llm):
+    expected = reference_llm.generate("The quick brown fox", SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))[0].outputs[0]
+    tokenizer = reference_llm.get_tokenizer()
+    fields = dict(model=SERVED_NAME, prompt="The quick brown fox", max_tokens=5, temperature=0,
+                  logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = client.completions.create(**fields).choices[0].logprobs
+    texts = [tokenizer.decode([token_id], skip_special_tokens=False)
+             for token_id in expected.token_ids]
+    assert logprobs.tokens == texts
+    assert logprobs.text_offset == [sum(map(len, texts[:index])) for index in range(5)]
+    pairs = engine_logprobs(expected)
+    assert logprobs.token_logprobs == pytest.approx([sampled for sampled, _ in pairs], abs=1e-5)
+    for top, text, (sampled, ranked) in zip(logprobs.top_logprobs, texts, pairs):
+        assert 1 <= len(top) <= 3 and top[text] == pytest.approx(sampled, abs=1e-5)
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            sorted(set(top.values()), reverse=True))
+        assert all(any(value == pytest.approx(other, abs=1e-5) for other in ranked)
+                   for value in top.values())
+    chunks = list(client.completions.create(stream=True, **fields))
+    pieces = [choice.logprobs for chunk in chunks for choice in chunk.choices]
+    assert [token for piece in pieces for token in piece.tokens] == logprobs.tokens
+    assert [value for piece in pieces for value in piece.token_logprobs] == \
+        logprobs.token_logprobs
+    assert [offset for piece in pieces for offset in piece.text_offset] == logprobs.text_offset
+    assert [top for piece in pieces for top in piece.top_logprobs] == logprobs.top_logprobs
+
+
+PENALTIES = {"presence": dict(presence_penalty=1.5), "frequency": dict(frequency_penalty=2.0),
+             "repetition": dict(repetition_penalty=1.8)}
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_penalties_change_greedy_output_as_generate_does(penalty, client, reference_llm):
+    prompt, options = "Count: 1 1 1 1", PENALTIES[penalty]
+    plain = expected_text(reference_llm, prompt, 12)
+    expected = reference_llm.generate(prompt, SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, **options))[0].outputs[0].text
+    assert expected != plain, "the penalty should change this greedy output"
+    openai_fields = {name: value for name, value in options.items()
+                     if name != "repetition_penalty"}
+    extra = {"ignore_eos": True} | {name: value for name, value in options.items()
+                                    if name == "repetition_penalty"}
+    completion = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=12,
+                                           temperature=0, extra_body=extra, **openai_fields)
+    assert completion.choices[0].text == expected
+
+
+def test_min_tokens_holds_back_stop_tokens(client, reference_llm):
+    """The first greedy token is made a stop token: the request ends at once, unless
+    min_tokens keeps it from being sampled for that many tokens."""
+    prompt = "Once upon a time"
+    first_token = reference_llm.generate(prompt, SamplingParams(
+        max_tokens=1, temperature=0))[0].outputs[0].token_ids[0]
+    params = dict(max_tokens=8, temperature=0, stop_token_ids=[first_token])
+    for min_tokens in (0, 4):
+        expected = reference_llm.generate(prompt, SamplingParams(
+            min_tokens=min_tokens, **params))[0].outputs[0]
+        completion = client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"stop_token_ids": [first_token], "min_tokens": min_tokens,
+                        "ignore_eos": False, "return_token_ids": True})
+        choice = completion.choices[0]
+        assert choice.token_ids == expected.token_ids
+        assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+        assert len(choice.token_ids) == 1 if min_tokens == 0 else len(choice.token_ids) > 4
+
+
 # -- request fields ------------------------------------------------------------------------------
 
 
@@ -201,20 +375,13 @@ CHAT_REFUSED = {
     "tool_choice": "required",
     "response_format": {"type": "json_object"},
     "logit_bias": {"42": 5.0},
-    "n": 2,
-    "logprobs": True,
-    "top_logprobs": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
     "functions": [{"name": "f", "parameters": {}}],
     "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"},
-    "min_tokens": 3,
-    "repetition_penalty": 1.2,
     "continue_final_message": True,
     "guided_choice": ["yes", "no"],
 }
-COMPLETION_REFUSED = {"echo": True, "suffix": "tail", "best_of": 2, "logprobs": 1, "n": 3,
+COMPLETION_REFUSED = {"echo": True, "suffix": "tail", "best_of": 2,
                       "response_format": {"type": "json_object"}}
 
 

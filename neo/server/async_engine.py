@@ -14,6 +14,10 @@ there is nothing to do. Each pass of its loop applies the pending commands, runs
 iteration, hands every output to its request's queue in one batch, feeds the latency
 histograms (``latency.py``) and publishes an ``EngineStats`` snapshot for ``/metrics``.
 
+A request with ``SamplingParams.n`` > 1 is a ``ParentRequest`` in the engine: its outputs, its
+abort (the client gone, a shutdown) and its final output speak of the parent's id and cover all
+its children; the latency histograms follow each child as a request of its own.
+
 When another iteration follows at once, an iteration's outputs are handed out only once that
 next iteration's device work is queued (``LLMEngine.step``'s ``on_launched``): the event
 loop's work on them (detokenizing, SSE events, sockets) then runs while the engine thread
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from neo.engine import LLMEngine
+from neo.engine.parallel_sampling import ParentRequest
 from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
@@ -87,7 +92,13 @@ class EngineStats:
 @dataclass
 class _Tracked:
     queue: asyncio.Queue  # the request's outputs, read on the event loop
-    request: Request
+    request: Request | ParentRequest  # a parent when n > 1
+
+    @property
+    def engine_requests(self) -> list[Request]:
+        """The engine's requests behind it: the parent's children, or the request itself."""
+        request = self.request
+        return request.children if isinstance(request, ParentRequest) else [request]
 
 
 @dataclass
@@ -283,7 +294,7 @@ class AsyncEngine:
             elif isinstance(command, _Abort):
                 tracked = self._tracked.pop(command.request_id, None)
                 if tracked is not None:
-                    self._latencies.dropped(command.request_id)
+                    self._drop_latencies(tracked)
                     self.engine.abort_request(command.request_id)
                     if command.notify:
                         deliveries.append((tracked.queue, self._final_output(tracked.request)))
@@ -304,8 +315,10 @@ class AsyncEngine:
             deliveries.append((command.queue, RequestFailed(f"the engine could not add the "
                                                             f"request: {error}")))
         else:
-            self._tracked[command.request_id] = _Tracked(command.queue, request)
-            self._latencies.added(request)
+            tracked = _Tracked(command.queue, request)
+            self._tracked[command.request_id] = tracked
+            for engine_request in tracked.engine_requests:
+                self._latencies.added(engine_request)
             self._stalled = False
 
     def _step(self, deliveries: list) -> None:
@@ -330,11 +343,12 @@ class AsyncEngine:
             if tracked is None:
                 continue
             if output.error is not None:  # the engine ended it: its work failed
-                self._latencies.dropped(output.request_id)
+                self._drop_latencies(tracked)
                 deliveries.append((tracked.queue, RequestFailed(f"the engine failed running this request: "
                                                                 f"{output.error}")))
             else:
-                self._latencies.output(tracked.request, output.finished, now)
+                for engine_request in tracked.engine_requests:
+                    self._latencies.output(engine_request, engine_request.is_finished, now)
                 deliveries.append((tracked.queue, output))
             if output.finished:
                 del self._tracked[output.request_id]
@@ -346,7 +360,7 @@ class AsyncEngine:
         logger.error("an engine step failed outside any request's work: ending all %d requests",
                      len(self._tracked))
         for request_id, tracked in self._tracked.items():
-            self._latencies.dropped(request_id)
+            self._drop_latencies(tracked)
             self.engine.abort_request(request_id, reason="error")
             deliveries.append((tracked.queue, RequestFailed(f"the engine failed: {error}")))
         self._tracked.clear()
@@ -355,21 +369,35 @@ class AsyncEngine:
         """End every tracked request: with ``reason_error`` delivered, or else a final
         "abort" output."""
         for request_id, tracked in self._tracked.items():
-            self._latencies.dropped(request_id)
+            self._drop_latencies(tracked)
             self.engine.abort_request(request_id)
             item = reason_error if reason_error is not None else self._final_output(tracked.request)
             deliveries.append((tracked.queue, item))
         self._tracked.clear()
 
-    def _final_output(self, request: Request) -> RequestOutput:
-        """The finished output of a request that ``abort_request`` ended."""
+    def _drop_latencies(self, tracked: _Tracked) -> None:
+        for engine_request in tracked.engine_requests:
+            self._latencies.dropped(engine_request.request_id)
+
+    def _final_output(self, request: Request | ParentRequest) -> RequestOutput:
+        """The finished output of a request that ``abort_request`` ended (a parent's: every
+        child's final state, through ``ParentRequest.output``)."""
+        if isinstance(request, ParentRequest):
+            for index, child in enumerate(request.children):
+                request.update(index, self._final_output(child))
+            return request.output()
         tokenizer = self.engine.tokenizer
         token_ids = list(request.output_token_ids)
-        text = tokenizer.decode(token_ids) if tokenizer is not None and token_ids else ""
+        text = request.output_text  # set when a stop string cut it
+        if text is None:
+            text = tokenizer.decode(token_ids) if tokenizer is not None and token_ids else ""
+        completion = CompletionOutput(0, token_ids, text, request.finish_reason)
+        if request.sampling_params.logprobs is not None:
+            completion.logprobs = list(request.output_logprobs)
+            completion.cumulative_logprob = request.cumulative_logprob
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, token_ids, text, request.finish_reason)], finished=True,
+            prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=True,
             metrics=RequestMetrics(request.arrival_time, request.first_token_time,
                                    request.finish_time, request.num_preemptions))
 

@@ -7,14 +7,19 @@ Each documented OpenAI request field falls in one of three groups:
   ``service_tier``, ``user``, ``parallel_tool_calls``, ``prediction``, ...); their types are
   still checked;
 - refused unless off: fields that would change the output and that this server does not
-  implement (``tools``, a JSON ``response_format``, ``logit_bias``, ``echo``, penalties, ...):
+  implement (``tools``, a JSON ``response_format``, ``logit_bias``, ``echo``, ``best_of``, ...):
   any value but the one that turns them off is a 400 naming the field (``OFF_VALUES``).
+
+Served beyond the basics: ``n`` (completions per prompt), ``presence_penalty`` and
+``frequency_penalty``, and log-probabilities: ``logprobs`` (an integer 0..20) on
+``/v1/completions``, ``logprobs: true`` with ``top_logprobs`` (0..20) on
+``/v1/chat/completions`` (``top_logprobs`` without ``logprobs: true`` is a 400).
 
 A field this server does not know is ignored, as vLLM does (``unknown_fields`` lists them for
 the server's log). Value checks are left to ``SamplingParams`` so each rule has one home.
-Extensions to OpenAI's API: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
-choice and stream chunk then carries the new token ids as ``token_ids``, useful for models
-without a tokenizer).
+Extensions to OpenAI's API (as vLLM names them): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``min_tokens``, ``repetition_penalty`` and ``return_token_ids`` (each choice and stream chunk then
+carries the new token ids as ``token_ids``, useful for models without a tokenizer).
 
 ``/v1/completions`` takes a batch of prompts (a list of strings or of token id lists): each
 prompt is its own engine request and its choices follow the prompt's position.
@@ -72,14 +77,8 @@ def _is_text_only(value) -> bool:
     return value is None or (isinstance(value, list) and all(kind == "text" for kind in value))
 
 
-# Fields that would change the output, by the test of their "off" value. n, the penalties,
-# min_tokens, repetition_penalty and logprobs/top_logprobs are the engine's to implement.
+# Fields that would change the output, by the test of their "off" value.
 OFF_VALUES: dict[str, Callable[[object], bool]] = {
-    "n": _is_none_or(1),
-    "presence_penalty": _is_none_or(0.0, 0),
-    "frequency_penalty": _is_none_or(0.0, 0),
-    "repetition_penalty": _is_none_or(1.0, 1),
-    "min_tokens": _is_none_or(0),
     "min_p": _is_none_or(0.0, 0),
     "logit_bias": _is_none_or_empty,
     "allowed_token_ids": lambda value: value is None,
@@ -101,9 +100,7 @@ OFF_VALUES: dict[str, Callable[[object], bool]] = {
     "echo": _is_none_or(False),
     "suffix": _is_none_or_empty,
     "best_of": _is_none_or(1),
-    # /v1/chat/completions (logprobs too: an int on completions, a bool on chat)
-    "logprobs": _is_none_or(False),
-    "top_logprobs": _is_none_or(0),
+    # /v1/chat/completions
     "tools": _is_none_or_empty,
     "tool_choice": _is_none_or("none", "auto"),  # "auto" without tools: no tool call
     "functions": _is_none_or_empty,
@@ -146,12 +143,12 @@ class _SamplingFields(BaseModel):
     request_id: str | None = None
     priority: int | None = None
     cache_salt: str | None = None
-    # Refused unless off (OFF_VALUES).
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    # Refused unless off (OFF_VALUES).
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -190,8 +187,8 @@ class _SamplingFields(BaseModel):
 
     @property
     def completions_per_prompt(self) -> int:
-        """Choices per prompt (``n``)."""
-        return self.n or 1
+        """Choices per prompt (``n``; None means 1, and 0 goes on to be refused)."""
+        return 1 if self.n is None else self.n
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's settings; raises ``ProtocolError`` with ``SamplingParams``' message and
@@ -202,24 +199,46 @@ class _SamplingFields(BaseModel):
                       top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
                       seed=self.seed, stop_token_ids=list(self.stop_token_ids or []),
                       stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                      ignore_eos=self.ignore_eos)
+                      ignore_eos=self.ignore_eos, n=self.completions_per_prompt,
+                      logprobs=self.requested_logprobs(),
+                      min_tokens=0 if self.min_tokens is None else self.min_tokens,
+                      repetition_penalty=(1.0 if self.repetition_penalty is None
+                                          else self.repetition_penalty),
+                      presence_penalty=self.presence_penalty or 0.0,
+                      frequency_penalty=self.frequency_penalty or 0.0)
         try:
             return SamplingParams(**values)
         except ValueError as error:
-            raise ProtocolError(str(error), self._refused_field(values)) from None
+            field = self._refused_field(values)
+            # Chat's top_logprobs sets SamplingParams.logprobs, which the message names.
+            message = f"{field}: {error}" if field == "top_logprobs" else str(error)
+            raise ProtocolError(message, field) from None
 
     def _refused_field(self, values: dict) -> str | None:
         """The request field of the first value ``SamplingParams`` refuses on its own (None
         when only a combination is refused)."""
         for name, value in values.items():
+            # min_tokens is bounded by max_tokens, which comes first and so is valid here.
+            alone = ({name: value, "max_tokens": values["max_tokens"]} if name == "min_tokens"
+                     else {name: value})
             try:
-                SamplingParams(**{name: value})
+                SamplingParams(**alone)
             except ValueError:
-                return self.max_tokens_field() if name == "max_tokens" else name
+                if name == "max_tokens":
+                    return self.max_tokens_field()
+                return self.logprobs_field() if name == "logprobs" else name
         return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: the top log-probabilities per token, None for none."""
+        return None
+
+    def logprobs_field(self) -> str:
+        """The name of the field that set ``requested_logprobs``."""
+        return "logprobs"
 
     def max_tokens_field(self) -> str:
         """The name of the field that set ``requested_max_tokens``."""
@@ -244,6 +263,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     logprobs: int | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order, each text or token ids (the engine checks the ids' range)."""
@@ -305,9 +327,9 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: str | None = None
     prompt_cache_retention: str | None = None
     include_reasoning: bool | None = None
-    # Refused unless off (OFF_VALUES).
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Refused unless off (OFF_VALUES).
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
@@ -329,6 +351,17 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ProtocolError("give max_tokens or max_completion_tokens, not both",
                                 "max_completion_tokens")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError(f"top_logprobs (got {self.top_logprobs}) needs logprobs set to "
+                                f"true", "top_logprobs")
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+    def logprobs_field(self) -> str:
+        return "top_logprobs"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens

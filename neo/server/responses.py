@@ -50,14 +50,15 @@ class ResponseShape:
     def _envelope(self, kind: str) -> dict:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, index: int, text: str, token_ids: list[int],
-               finish_reason: str | None) -> dict:
-        """One choice of a whole (non-streamed) response."""
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+        """One choice of a whole (non-streamed) response; ``logprobs``: its tokens'
+        log-probabilities in the endpoint's shape (``logprobs.py``), or None."""
         if self.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None,
+            choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -68,15 +69,16 @@ class ResponseShape:
         return self._envelope(self.kind) | {"choices": choices, "usage": usage_counts}
 
     def chunk(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-              include_usage: bool, first: bool = False) -> dict:
+              include_usage: bool, first: bool = False, logprobs: dict | None = None) -> dict:
         """One stream chunk carrying new text/tokens of choice ``index``; ``first`` (the
-        choice's first chunk) adds the chat role."""
+        choice's first chunk) adds the chat role; ``logprobs``: the new tokens'
+        log-probabilities, or None."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None,
+            choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = token_ids

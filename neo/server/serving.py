@@ -7,9 +7,10 @@ loop, and a text too long in bytes to fit the model's context in any tokenizatio
 before it is tokenized. The response waits for the first output before it starts: a rejected
 request then still gets its 400, and a client that leaves while its request is queued aborts it.
 
-A request with a batch of prompts (``/v1/completions``) runs one engine request per prompt; its
-choices come from each prompt's ``RequestOutput.outputs`` in prompt order, and a stream carries
-each choice's chunks under its ``index`` as they come.
+A request with a batch of prompts (``/v1/completions``) runs one engine request per prompt (with
+``n`` > 1 a parallel-sampling parent of ``n`` completions); its choices come from each prompt's
+``RequestOutput.outputs`` in prompt order, and a stream carries each choice's chunks under its
+``index`` as they come, with their tokens' log-probabilities when asked for (``logprobs.py``).
 """
 
 import asyncio
@@ -28,6 +29,7 @@ from neo.sampling_params import SamplingParams
 
 from .async_engine import AsyncEngine, EngineStopped, RequestFailed
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import LogprobsShape
 from .protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 from .responses import ResponseShape, error_body, usage
 from .request_body import decode_json
@@ -207,7 +209,7 @@ class OpenAIServing:
         num_prompt_tokens = sum(map(len, prepared.prompt_ids))
         if request.stream:
             events = self._events(firsts, streams, request.completions_per_prompt, shape,
-                                  params.stop, num_prompt_tokens, request.include_usage_in_stream)
+                                  params, num_prompt_tokens, request.include_usage_in_stream)
             return EventStreamResponse(events)
         try:
             finals = await until_disconnect(
@@ -219,9 +221,12 @@ class OpenAIServing:
             return _engine_error_response(error)
         finally:
             await _close_all(streams)
+        logprobs_shape = self._logprobs_shape(shape, params)
         choices = [shape.choice(choice_index(position, completion.index,
                                              request.completions_per_prompt),
-                                completion.text, completion.token_ids, completion.finish_reason)
+                                completion.text, completion.token_ids, completion.finish_reason,
+                                logprobs=None if logprobs_shape is None else logprobs_shape.build(
+                                    completion.token_ids, completion.logprobs)[0])
                    for position, final in enumerate(finals) for completion in final.outputs]
         num_completion_tokens = sum(len(completion.token_ids) for final in finals
                                     for completion in final.outputs)
@@ -230,28 +235,43 @@ class OpenAIServing:
 
     async def _events(self, firsts: list[RequestOutput],
                       streams: list[AsyncIterator[RequestOutput]], completions_per_prompt: int,
-                      shape: ResponseShape, stop: list[str], num_prompt_tokens: int,
+                      shape: ResponseShape, params: SamplingParams, num_prompt_tokens: int,
                       include_usage: bool) -> AsyncIterator[bytes]:
         """One SSE event per choice's batch of new tokens (the choices' events interleave as
-        their tokens come), then usage (if asked) and ``[DONE]``."""
+        their tokens come; a choice's finish reason comes in its last one), then usage (if
+        asked) and ``[DONE]``. Each event carries the log-probabilities of its tokens when
+        asked for."""
         num_sent: dict[int, int] = {}  # choice index -> tokens sent
+        ended: set[int] = set()  # choices whose finish reason was sent
+        text_offsets: dict[int, int] = {}  # choice index -> logprobs text offset
         detokenizers: dict[int, IncrementalDetokenizer] = {}
+        logprobs_shape = self._logprobs_shape(shape, params)
         merged = merge_outputs(firsts, streams)
         try:
             async for position, output in merged:
                 for completion in output.outputs:
                     index = choice_index(position, completion.index, completions_per_prompt)
                     first = index not in num_sent
-                    new_ids = completion.token_ids[num_sent.get(index, 0):]
+                    start = num_sent.get(index, 0)
+                    new_ids = completion.token_ids[start:]
+                    finished = completion.finish_reason is not None
+                    if index in ended or not (first or new_ids or finished):
+                        continue
                     num_sent[index] = len(completion.token_ids)
+                    if finished:
+                        ended.add(index)
                     text = ""
                     if self.tokenizer is not None:
                         detokenizer = detokenizers.setdefault(
-                            index, IncrementalDetokenizer(self.tokenizer, stop))
-                        text = (detokenizer.finish(completion.text) if output.finished
+                            index, IncrementalDetokenizer(self.tokenizer, params.stop))
+                        text = (detokenizer.finish(completion.text) if finished
                                 else detokenizer.update(completion.token_ids))
+                    logprobs = None
+                    if logprobs_shape is not None:
+                        logprobs, text_offsets[index] = logprobs_shape.build(
+                            new_ids, completion.logprobs[start:], text_offsets.get(index, 0))
                     yield sse_event(shape.chunk(index, text, new_ids, completion.finish_reason,
-                                                include_usage, first=first))
+                                                include_usage, first=first, logprobs=logprobs))
             if include_usage:
                 yield sse_event(shape.usage_chunk(usage(num_prompt_tokens,
                                                         sum(num_sent.values()))))
@@ -261,6 +281,13 @@ class OpenAIServing:
             await merged.aclose()
             await _close_all(streams)
         yield DONE_EVENT
+
+    def _logprobs_shape(self, shape: ResponseShape, params: SamplingParams
+                        ) -> LogprobsShape | None:
+        """What builds the choices' ``logprobs`` objects; None when none were asked for."""
+        if params.logprobs is None:
+            return None
+        return LogprobsShape(self.tokenizer, shape.chat, params.logprobs)
 
 
 def choice_index(position: int, completion_index: int, completions_per_prompt: int) -> int:
