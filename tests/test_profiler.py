@@ -80,7 +80,6 @@ def test_profile_command_writes_a_table_the_engine_loads(tmp_path, monkeypatch):
         seconds = table[f"{name}_seconds"]
         assert seconds and all(value > 0 for value in seconds), name
     assert all(value > 0 for row in table["host_attention_seconds"] for value in row)
-    assert table["linear_seconds"][-1] > table["linear_seconds"][0]  # 256 tokens cost more than 1
     assert table["graph_decode_requests"] == []  # no CUDA graphs on the CPU
     engine = LLMEngine(EngineConfig(policy="neo", perf_model=str(path), **SMALL))
     try:

@@ -14,11 +14,12 @@ import dataclasses
 import json
 import sys
 
+from neo import cli_values
 from neo.bench.workloads import WORKLOAD_FORMS
 from neo.config import HOST_PIPELINES, POLICIES
 from neo.sched.stage_order import TWO_SUB_BATCH_ORDERS
 
-from .hardware import OVERRIDABLE, PRESETS, preset, with_overrides
+from .hardware import FIELD_HELP, OVERRIDABLE, PRESETS, preset, with_overrides
 from .scenario import Scenario, run_scenario
 from .simulator import SimulationResult
 
@@ -36,30 +37,44 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--hardware", default="h100", help=f"a preset: {', '.join(PRESETS)}")
     machine = parser.add_argument_group("hardware overrides (the preset's figure otherwise)")
     for field in OVERRIDABLE:
-        kind = int if field == "host_cores" else float
-        machine.add_argument(option_name(field), dest=f"hardware_{field}", type=kind, default=None, metavar="N")
-    machine.add_argument("--pcie-gbps", type=float, default=None, help="both copy directions")
+        kind = cli_values.integer_at_least(1) if field == "host_cores" else cli_values.non_negative_number
+        machine.add_argument(option_name(field), dest=f"hardware_{field}", type=kind, default=None, metavar="N",
+                             help=FIELD_HELP[field])
+    machine.add_argument("--pcie-gbps", type=cli_values.positive_number, default=None,
+                         help="host-device copy bandwidth in both directions, GB/s")
     parser.add_argument("--profile", default=None,
                         help="a `neo profile` table (JSON) instead of synthesized stage times")
     parser.add_argument("--workload", default="synthetic:input=1000,output=300", help=WORKLOAD_FORMS)
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--num-requests", type=cli_values.integer_at_least(1), default=200,
+                        help="requests of the workload, all run to completion")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of synthetic lengths")
     parser.add_argument("--policies", default="gpu-only,neo,full-offload",
                         help=f"comma-separated: {', '.join(POLICIES)}")
-    parser.add_argument("--host-pipeline", default="async", choices=HOST_PIPELINES)
+    parser.add_argument("--host-pipeline", default="async", choices=HOST_PIPELINES,
+                        help="how the offloading policies run host decodes beside the GPU's work")
     parser.add_argument("--stage-order", default="asymmetric", help=f"one of {', '.join(TWO_SUB_BATCH_ORDERS)}")
-    parser.add_argument("--placement", default=None)
-    parser.add_argument("--gpu-kv-cache-gib", type=float, default=None)
-    parser.add_argument("--cpu-kv-cache-gib", type=float, default=None, help="default: half the host's memory")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--duration", type=float, default=None, help="stop each run after this many simulated seconds")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--placement", default=None,
+                        help="where host decodes go (default: the host pipeline's)")
+    parser.add_argument("--gpu-kv-cache-gib", type=cli_values.positive_number, default=None,
+                        help="GPU KV pool, GiB (default: the GPU memory left by the weights)")
+    parser.add_argument("--cpu-kv-cache-gib", type=cli_values.non_negative_number, default=None,
+                        help="host KV pool, GiB (default: half the host's memory)")
+    parser.add_argument("--max-model-len", type=cli_values.integer_at_least(2), default=None,
+                        help="context length (default: the model's)")
+    parser.add_argument("--gpu-memory-utilization", type=cli_values.fraction, default=0.9,
+                        help="share of GPU memory the engine may use")
+    parser.add_argument("--max-num-seqs", type=cli_values.integer_at_least(1), default=256,
+                        help="requests in one iteration at most")
+    parser.add_argument("--max-num-batched-tokens", type=cli_values.integer_at_least(1), default=8192,
+                        help="tokens in one iteration at most")
+    parser.add_argument("--duration", type=cli_values.positive_number, default=None,
+                        help="stop each run after this many simulated seconds")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     plots = parser.add_argument_group("plots")
-    plots.add_argument("--plot", choices=("heatmap", "cores"), default=None)
+    plots.add_argument("--plot", choices=("heatmap", "cores"), default=None,
+                       help="heatmap: gain over host read bandwidth x GPU KV pool; cores: gain "
+                            "against host cores over --sweep-hardware")
     plots.add_argument("--plot-output", default=None, help="PNG path (default: simulate-PLOT.png)")
     plots.add_argument("--sweep-host-read-gbps", default="25,50,100,200", help="heatmap: host read bandwidths")
     plots.add_argument("--sweep-gpu-kv-cache-gib", default="1,2,4,8,16", help="heatmap: GPU KV pool sizes")

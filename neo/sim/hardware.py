@@ -120,6 +120,30 @@ PRESETS: dict[str, Hardware] = {
 }
 
 OVERRIDABLE = tuple(field.name for field in dataclasses.fields(Hardware) if field.name != "name")
+# One line per overridable field, for the command line's help.
+FIELD_HELP = {
+    "gpu_memory_gib": "GPU memory the framework sees, GiB",
+    "hbm_gbps": "achieved GPU memory bandwidth, GB/s",
+    "bf16_tflops": "achieved dense bf16 matrix throughput, TFLOP/s (0: no bf16, float16 is used)",
+    "fp16_tflops": "achieved dense fp16 matrix throughput, TFLOP/s",
+    "pcie_h2d_gbps": "host-to-device copy bandwidth, GB/s",
+    "pcie_d2h_gbps": "device-to-host copy bandwidth, GB/s",
+    "host_cores": "logical host cores (host attention uses all but one)",
+    "host_read_gbps": "host memory read bandwidth once saturated, GB/s",
+    "host_read_gbps_per_thread": "host read bandwidth per reading thread until saturation, GB/s",
+    "host_memory_gib": "host memory, GiB",
+    "weight_stream_efficiency": "decode GEMMs' weight reads over the GPU memory bandwidth",
+    "matmul_efficiency": "large GEMMs' throughput over the peak",
+    "prefill_attention_efficiency": "prefill attention FLOPs over the peak",
+    "host_attention_efficiency": "host decode attention's KV reads over the host read bandwidth",
+    "stage_launch_us": "least time of an eagerly launched stage, per layer, microseconds",
+    "host_layer_overhead_us": "host attention hand-off and store, per layer, microseconds",
+    "host_request_overhead_us": "host attention per request and layer, microseconds",
+    "pipeline_overhead_us": "a two-sub-batch iteration's launches and hand-offs, per layer, microseconds",
+    "host_batch_overhead_us": "a host batch's launches and hand-offs, per layer, microseconds",
+    "iteration_overhead_us": "input preparation and sampling, per iteration, microseconds",
+    "host_batch_slowdown": "GPU iterations' slowdown while a host batch runs beside them",
+}
 
 
 def preset(name: str) -> Hardware:
