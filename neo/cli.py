@@ -98,7 +98,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run every iteration eagerly (no CUDA graph replays)")
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
                        help="async: host decodes as their own batch beside the GPU's iterations; "
-                            "lockstep: host decodes in each iteration's two sub-batches")
+                            "lockstep: host decodes in each iteration's two sub-batches; "
+                            "auto: per iteration, whichever of the two (or gpu-only) the scheduler "
+                            "estimates makes more tokens per second")
     group.add_argument("--pad-gemm-rows", action=argparse.BooleanOptionalAction, default=None,
                        help="pad GEMM rows to fixed buckets warmed up at start-up (default: on CUDA)")
     group.add_argument("--cpu-attention-kernel", default=defaults.cpu_attention_kernel,

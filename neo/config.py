@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 POLICIES = ("gpu-only", "neo", "full-offload")
-HOST_PIPELINES = ("async", "lockstep")
+HOST_PIPELINES = ("async", "lockstep", "auto")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -35,7 +35,10 @@ class EngineConfig:
     host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
         "async" (host decodes run as their own batch on a stream of their own, which spans as
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
-        sub-batches, the host decodes among them, go through the layers together).
+        sub-batches, the host decodes among them, go through the layers together) or "auto"
+        (each iteration the scheduler estimates the gpu-only, lockstep and async plans with its
+        cost function and runs the one with the most tokens per second; no lockstep iteration
+        runs while a host batch is in flight: ``neo.sched.placement.pipeline_choice``).
     pad_gemm_rows: pad each iteration's GEMM rows to a fixed set of buckets, each run once at
         start-up (``neo.runner.gemm_rows``: cuBLAS makes a GEMM shape it meets for the first time
         wait for every pending CUDA host function); None: on CUDA.
@@ -47,7 +50,7 @@ class EngineConfig:
     stage_order: the order of the lockstep pipeline's two sub-batches through the layers
         (``neo.sched.stage_order``: "asymmetric" or "asymmetric-early-host").
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
-        ("two-sub-batches" for lockstep, "host-batches" for async).
+        ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.

@@ -50,7 +50,7 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
     manager = BlockManager(gpu_blocks, host_blocks, block_size)
     coverage = GraphCoverage()
     if graphs:
-        pipeline = max_num_seqs if host_pipeline == "lockstep" and policy != "gpu-only" else 0
+        pipeline = max_num_seqs if host_pipeline != "async" and policy != "gpu-only" else 0
         coverage = GraphCoverage(max_num_seqs, pipeline, math.ceil(cuda_graph_max_context / block_size))
     estimates = Estimates(perf_model or PerfModel.zero(), HostTimeCalibration(prior=host_prior), coverage, manager,
                           two_sub_batch_order(stage_order))

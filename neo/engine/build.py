@@ -50,7 +50,7 @@ class EngineParts:
     runner: ModelRunner
     profiler: Profiler | None  # measures stage times through the runner (offloading policies)
     scheduler: Scheduler
-    asynchronous: bool  # the async host pipeline: host batches beside the GPU's iterations
+    asynchronous: bool  # the async or auto host pipeline: host batches beside the GPU's iterations
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -123,7 +123,10 @@ def build(config: EngineConfig) -> EngineParts:
     executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
                                 max_host_decodes=config.max_num_seqs, max_blocks_per_sequence=max_blocks_per_sequence,
                                 measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
-    asynchronous = offloading and config.host_pipeline == "async"
+    # "auto" runs both kinds of iteration in one engine: host batches, and lockstep iterations
+    # (with their pipeline graphs) while no host batch is in flight.
+    asynchronous = offloading and config.host_pipeline in ("async", "auto")
+    lockstep = not offloading or config.host_pipeline in ("lockstep", "auto")
     graph_context = None
     if device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
@@ -136,7 +139,7 @@ def build(config: EngineConfig) -> EngineParts:
     decode_graphs = pipeline_graphs = host_batches = None
     if graph_context is not None:
         decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)
-        if executor.stream_ordered_host_work and not asynchronous:
+        if executor.stream_ordered_host_work and lockstep:
             pipeline_graphs = PipelineGraphs(model, executor, config.max_num_seqs, graph_context, config.block_size,
                                              device)
     if asynchronous:

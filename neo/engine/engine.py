@@ -31,8 +31,10 @@ class LLMEngine:
     """The serving engine. Not thread-safe: one thread owns it (see ``neo.server``).
 
     Its parts are built by ``neo.engine.build`` for the policy and the host pipeline, the step
-    function among them: ``_step`` (schedule -> execute -> update) or, under the async host
-    pipeline, ``_step_with_host_batches`` (which also launches and collects host batches).
+    function among them: ``_step`` (schedule -> execute -> update) or, under the async and auto
+    host pipelines, ``_step_with_host_batches`` (which also launches and collects host batches;
+    under auto a plan is either a lockstep iteration of two sub-batches or a GPU iteration,
+    possibly launching a host batch, as the scheduler chose).
     """
 
     def __init__(self, config: EngineConfig):
@@ -196,7 +198,7 @@ class LLMEngine:
         out outputs on another thread (``neo.server``) passes the previous iteration's there,
         so that handing them out overlaps the device's work instead of delaying the launch.
 
-        Under the async host pipeline the step first launches the plan's host batch, if any,
+        Under the async and auto host pipelines the step first launches the plan's host batch, if any,
         and ends by collecting the host batch in flight if it has completed (waiting for it a
         little when the plan had no GPU work); its requests' tokens are among the outputs.
 

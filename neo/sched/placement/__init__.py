@@ -11,7 +11,10 @@ One file per placement:
   launched while their tokens outweigh what they cost the GPU's iterations;
 - ``hidden_host.py``: ``HiddenHost``, the example of a new placement: two sub-batches, host
   decodes admitted only while their attention stays hidden under the other sub-batch's GPU
-  work (the NEO paper's rule).
+  work (the NEO paper's rule);
+- ``pipeline_choice.py``: ``PipelineChoice``, per iteration the plan of ``TwoSubBatches`` or
+  of ``HostBatches``, whichever makes more estimated tokens per second (the ``auto`` host
+  pipeline).
 
 A new placement is one file with a ``Placement`` subclass that implements ``place`` (and, to
 steer admissions to the host pool, ``economics``), registered in ``PLACEMENTS`` under the host
@@ -22,6 +25,7 @@ from .base import Placement
 from .gpu_only import GpuOnly
 from .hidden_host import HiddenHost
 from .host_batches import HostBatches
+from .pipeline_choice import PipelineChoice
 from .two_sub_batches import TwoSubBatches
 
 # name -> (class, the host pipeline its plans are for)
@@ -29,8 +33,9 @@ PLACEMENTS: dict[str, tuple[type[Placement], str]] = {
     "two-sub-batches": (TwoSubBatches, "lockstep"),
     "hidden-host": (HiddenHost, "lockstep"),
     "host-batches": (HostBatches, "async"),
+    "pipeline-choice": (PipelineChoice, "auto"),
 }
-DEFAULT_PLACEMENTS = {"lockstep": "two-sub-batches", "async": "host-batches"}
+DEFAULT_PLACEMENTS = {"lockstep": "two-sub-batches", "async": "host-batches", "auto": "pipeline-choice"}
 
 
 def make_placement(policy: str, host_pipeline: str, name: str | None = None) -> Placement:
@@ -48,5 +53,5 @@ def make_placement(policy: str, host_pipeline: str, name: str | None = None) -> 
     return cls(full_offload=policy == "full-offload")
 
 
-__all__ = ["DEFAULT_PLACEMENTS", "PLACEMENTS", "GpuOnly", "HiddenHost", "HostBatches", "Placement", "TwoSubBatches",
-           "make_placement"]
+__all__ = ["DEFAULT_PLACEMENTS", "PLACEMENTS", "GpuOnly", "HiddenHost", "HostBatches", "PipelineChoice", "Placement",
+           "TwoSubBatches", "make_placement"]

@@ -125,31 +125,49 @@ class HostBatches(Placement):
                            plan: SchedulerOutput) -> None:
         """Put the plannable host requests into ``plan.host_batch`` when no batch is in flight
         and launching one is worth it (see the module docstring)."""
-        # Requests evicted to the host pool just now wait for the next batch: their blocks are
-        # copied out by this iteration's GPU work, which a batch launched now does not wait for.
-        arriving = {host_block for _, host_block in plan.swap_out}
-        host_requests = [r for r in host_requests if r.block_table[0] not in arriving]
-        if self.in_flight is not None or not host_requests:
-            scheduler.count_host_wait(bool(host_requests))
-            return
-        context = sum(r.num_tokens for r in host_requests)
-        if not (self.full_offload or self._gain(scheduler, batch0, len(host_requests), context) > 0
-                or not batch0 or scheduler.host_decode_due):
-            scheduler.count_host_wait(True)
+        requests = self.host_batch_candidate(scheduler, batch0, host_requests, plan)
+        if not requests:
+            scheduler.count_host_wait(bool(self.launchable(host_requests, plan)))
             return
         estimates = scheduler.estimates
-        requests = scheduler.oldest_first(host_requests)[:scheduler.config.max_num_seqs]
-        host = estimates.host_attention(len(requests), sum(r.num_tokens for r in requests))
+        seconds, host = self.host_batch_time(estimates, requests)
         plan.host_batch = SubBatch(host_decodes=requests)
-        plan.host_batch_predicted_time = estimates.perf_model.host_batch_time(
-            HOST_BATCH, estimates.perf_model.linear(len(requests)), host)
+        plan.host_batch_predicted_time = seconds
         plan.host_batch_predicted_host_time = host
         plan.host_batch_profiled_host_time = host / estimates.host_calibration.scale
-        self.in_flight = InFlightHostBatch(list(requests), plan.host_batch_predicted_time, host,
-                                           plan.host_batch_profiled_host_time)
+        self.in_flight = InFlightHostBatch(list(requests), seconds, host, plan.host_batch_profiled_host_time)
         for request in requests:
             request.last_scheduled_iteration = scheduler.iteration
         scheduler.count_host_wait(False)
+
+    @staticmethod
+    def launchable(host_requests: list[Request], plan: SchedulerOutput) -> list[Request]:
+        """The host requests a host batch launched with ``plan`` may hold. Requests evicted to
+        the host pool just now wait for the next batch: their blocks are copied out by this
+        iteration's GPU work, which a batch launched now does not wait for."""
+        arriving = {host_block for _, host_block in plan.swap_out}
+        return [r for r in host_requests if r.block_table[0] not in arriving]
+
+    def host_batch_candidate(self, scheduler, batch0: SubBatch, host_requests: list[Request],
+                             plan: SchedulerOutput) -> list[Request]:
+        """The requests of the host batch this placement would launch with ``plan`` (oldest
+        first, at most ``max_num_seqs``); empty when one is in flight, none may join, or
+        launching one is not worth it. Changes nothing."""
+        host_requests = self.launchable(host_requests, plan)
+        if self.in_flight is not None or not host_requests:
+            return []
+        context = sum(r.num_tokens for r in host_requests)
+        if not (self.full_offload or self._gain(scheduler, batch0, len(host_requests), context) > 0
+                or not batch0 or scheduler.host_decode_due):
+            return []
+        return scheduler.oldest_first(host_requests)[:scheduler.config.max_num_seqs]
+
+    @staticmethod
+    def host_batch_time(estimates, requests: list[Request]) -> tuple[float, float]:
+        """(estimated seconds of a host batch of ``requests`` until its tokens, of which host
+        attention), from the cost function of the ``host-batch`` order."""
+        host = estimates.host_attention(len(requests), sum(r.num_tokens for r in requests))
+        return estimates.perf_model.host_batch_time(HOST_BATCH, estimates.perf_model.linear(len(requests)), host), host
 
     def _gain(self, scheduler, batch0: SubBatch, num_host_decodes: int, context_tokens: int) -> float:
         """Tokens a host batch of that many decodes (and context tokens) gains over what it
@@ -158,9 +176,9 @@ class HostBatches(Placement):
         if not tokens:
             return float(num_host_decodes)
         rate = tokens / (scheduler.estimates.sequential_time(batch0) + EPSILON)
-        return num_host_decodes - rate * self._gpu_cost(scheduler.estimates, num_host_decodes, context_tokens)
+        return num_host_decodes - rate * self.gpu_cost(scheduler.estimates, num_host_decodes, context_tokens)
 
-    def _gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
+    def gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
         """Seconds of GPU-iteration time a host batch of that many decodes costs (see the
         module docstring)."""
         model = estimates.perf_model
@@ -181,7 +199,7 @@ class HostBatches(Placement):
         host_context = sum(r.num_tokens for r in host_requests)
 
         def gain(requests: int, context: int) -> float:
-            return requests - gpu_rate * self._gpu_cost(estimates, requests, context) if requests else 0.0
+            return requests - gpu_rate * self.gpu_cost(estimates, requests, context) if requests else 0.0
 
         current = gain(len(host_requests), host_context)
         best_more = max((gain(len(host_requests) + extra, host_context + context)
