@@ -1,11 +1,22 @@
-"""Shared pieces of the pytest-benchmark kernel benchmarks: the machine's read-bandwidth ceiling
-and a compact summary table printed at the end of the session.
+"""Shared pieces of the pytest-benchmark kernel benchmarks: the size of the working set that makes
+a kernel read from DRAM, the read-bandwidth probe measured the same way, and a compact summary
+table printed at the end of the session.
+
+A kernel that reads the same few hundred MiB on every call is served partly from the last-level
+cache, and its bytes per second then exceed what DRAM delivers. The benchmarks therefore keep a
+working set of ``--kv-working-set-gib`` GiB (at least four times the last-level cache and 1 GiB)
+and read a different slice of it on each call, so that a slice has been evicted by the others
+before it is read again. The probe the figures are ratios to, a float32 ``torch.sum``, reads a
+buffer of the same size in the same rotation.
 
 A benchmark records a row with ``benchmark_summary.add(...)``; the rows are printed, grouped by
-shape, after pytest-benchmark's own tables. Run with
+where the data came from, thread count and shape, after pytest-benchmark's own tables. Run with
 ``pytest benchmarks/test_bench_decode_attention.py --benchmark-only``.
 """
 
+import glob
+import math
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -13,9 +24,26 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-# The read-bandwidth probe: a float32 torch.sum over this many bytes with all threads.
-PROBE_BYTES = 1 << 30
-PROBE_REPEATS = 10
+from neo.kv.host_memory import huge_page_zeros
+
+GIB = 1 << 30
+# The working set: this many GiB unless --kv-working-set-gib says otherwise, and never less than
+# MIN_CACHE_MULTIPLE times the last-level cache or MIN_WORKING_SET_GIB.
+DEFAULT_WORKING_SET_GIB = 8.0
+MIN_CACHE_MULTIPLE = 4
+MIN_WORKING_SET_GIB = 1.0
+DEFAULT_SECONDS_PER_BENCHMARK = 1.5
+# The probe reads its buffer in this many slices, one per call, in turn.
+PROBE_SLICES = 8
+# The probe's figure is its fastest call out of this many rounds over all slices.
+PROBE_ROUNDS = 2
+
+# Thread counts the kernels run on: all cores, and all but one (one core left to the thread that
+# drives the GPU in the engine).
+THREAD_COUNTS = sorted({os.cpu_count() or 1, max(1, (os.cpu_count() or 1) - 1)}, reverse=True)
+
+DRAM = "DRAM"
+IN_CACHE = "in cache"
 
 
 def machine_name() -> str:
@@ -30,58 +58,196 @@ def machine_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_read_bandwidth(repeats: int = PROBE_REPEATS) -> float:
-    """GB/s of the fastest of ``repeats`` float32 torch.sum calls over PROBE_BYTES."""
-    data = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return PROBE_BYTES / best / 1e9
+def last_level_cache_bytes() -> int | None:
+    """Size of CPU 0's highest-level cache from sysfs (e.g. ``491520K``), None where unknown."""
+    largest_level, size = 0, None
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "level")) as level_file:
+                level = int(level_file.read())
+            with open(os.path.join(index, "size")) as size_file:
+                text = size_file.read().strip()
+        except (OSError, ValueError):
+            continue
+        multiplier = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if level > largest_level and digits.isdigit():
+            largest_level, size = level, int(digits) * multiplier
+    return size
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def minimum_working_set_bytes() -> int:
+    cache = last_level_cache_bytes() or 0
+    return max(MIN_CACHE_MULTIPLE * cache, int(MIN_WORKING_SET_GIB * GIB))
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """Skip the test, naming the need, when the machine has less than ``nbytes`` available."""
+    available = available_memory_bytes()
+    if available is not None and available < nbytes:
+        pytest.skip(f"{what} needs {nbytes / GIB:.1f} GiB of available memory, the machine has "
+                    f"{available / GIB:.1f} GiB (lower --kv-working-set-gib, at least "
+                    f"{minimum_working_set_bytes() / GIB:.1f} GiB on this machine)")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kv-working-set-gib", type=float, default=DEFAULT_WORKING_SET_GIB,
+        help="GiB of K/V (and of the read probe's buffer) the kernel benchmarks rotate through, "
+             f"a different slice each call; at least {MIN_CACHE_MULTIPLE}x the last-level cache "
+             f"and {MIN_WORKING_SET_GIB:g} GiB (default {DEFAULT_WORKING_SET_GIB:g})")
+    parser.addoption(
+        "--seconds-per-benchmark", type=float, default=DEFAULT_SECONDS_PER_BENCHMARK,
+        help="about how long each kernel benchmark runs; its rounds are chosen to fill it "
+             f"(default {DEFAULT_SECONDS_PER_BENCHMARK:g})")
+
+
+@pytest.fixture(scope="session")
+def seconds_per_benchmark(request) -> float:
+    """About how long one benchmark runs (its number of rounds is chosen for it)."""
+    return request.config.getoption("--seconds-per-benchmark")
+
+
+def pytest_configure(config):
+    seconds = config.getoption("--seconds-per-benchmark")
+    if not seconds > 0:
+        raise pytest.UsageError(f"--seconds-per-benchmark={seconds:g} must be positive")
+    gib = config.getoption("--kv-working-set-gib")
+    minimum = minimum_working_set_bytes()
+    if gib * GIB < minimum:
+        raise pytest.UsageError(
+            f"--kv-working-set-gib={gib:g} is below {minimum / GIB:.2f} GiB: the working set must "
+            f"be at least {MIN_CACHE_MULTIPLE}x the last-level cache "
+            f"({(last_level_cache_bytes() or 0) / GIB:.2f} GiB) and {MIN_WORKING_SET_GIB:g} GiB")
+
+
+@pytest.fixture(scope="session")
+def working_set_bytes(request) -> int:
+    """Bytes of the rotated working set (K and V together; the probe's buffer)."""
+    return int(request.config.getoption("--kv-working-set-gib") * GIB)
+
+
+@dataclass
+class ReadProbe:
+    """A float32 buffer of the working set's size in huge pages, summed one slice per call.
+
+    ``buffer`` is ``[PROBE_SLICES, slice_elements]``; ``read_next()`` sums the next slice.
+    """
+
+    buffer: torch.Tensor
+    next_slice: int = 0
+
+    @classmethod
+    def allocate(cls, nbytes: int) -> "ReadProbe":
+        slice_elements = nbytes // 4 // PROBE_SLICES
+        buffer = huge_page_zeros((PROBE_SLICES, slice_elements), torch.float32)
+        buffer.fill_(1.0)
+        return cls(buffer)
+
+    @property
+    def slice_bytes(self) -> int:
+        return self.buffer[0].numel() * 4
+
+    def read_next(self) -> torch.Tensor:
+        total = self.buffer[self.next_slice].sum()
+        self.next_slice = (self.next_slice + 1) % PROBE_SLICES
+        return total
+
+
+def measure_read_bandwidth(nbytes: int, threads: int) -> float:
+    """GB/s of the fastest slice sum of a rotated ``nbytes`` probe on ``threads`` threads."""
+    probe = ReadProbe.allocate(nbytes)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(PROBE_SLICES):
+            probe.read_next()
+        best = float("inf")
+        for _ in range(PROBE_ROUNDS * PROBE_SLICES):
+            start = time.perf_counter()
+            probe.read_next()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return probe.slice_bytes / best / 1e9
 
 
 @dataclass
 class SummaryRow:
+    source: str  # DRAM or IN_CACHE
+    threads: int
     implementation: str
     shape: str
     dtype: str
     milliseconds: float
     gigabytes_per_second: float
-    percent_of_ceiling: float
+    percent_of_probe: float
 
 
 @dataclass
 class BenchmarkSummary:
-    """Rows collected during the session, printed by ``pytest_terminal_summary``."""
+    """Rows collected during the session, printed by ``pytest_terminal_summary``.
 
-    ceiling_gigabytes_per_second: float | None = None
-    probe_bytes: int = PROBE_BYTES
+    ``probe_gigabytes_per_second[threads]`` is the DRAM read probe at that thread count, measured
+    when first needed; every row's percentage is relative to the probe at its own thread
+    count.
+    """
+
+    working_set_bytes: int
+    probe_gigabytes_per_second: dict[int, float] = field(default_factory=dict)
     rows: list[SummaryRow] = field(default_factory=list)
 
-    def add(self, implementation: str, shape: str, dtype: torch.dtype, seconds: float,
-            nbytes: int) -> dict:
-        """Record one measurement; returns its figures for ``benchmark.extra_info``."""
+    def probe(self, threads: int) -> float:
+        if threads not in self.probe_gigabytes_per_second:
+            self.probe_gigabytes_per_second[threads] = measure_read_bandwidth(
+                self.working_set_bytes, threads)
+        return self.probe_gigabytes_per_second[threads]
+
+    def add(self, source: str, implementation: str, shape: str, dtype: torch.dtype,
+            seconds: float, nbytes: int) -> dict:
+        """Record one measurement on ``torch.get_num_threads()`` threads, of ``nbytes`` read
+        from ``source`` (DRAM or IN_CACHE); returns its figures for ``benchmark.extra_info``."""
+        threads = torch.get_num_threads()
+        probe = self.probe(threads)
         gigabytes_per_second = nbytes / seconds / 1e9
-        percent = 100 * gigabytes_per_second / self.ceiling_gigabytes_per_second
-        self.rows.append(SummaryRow(implementation, shape, str(dtype).removeprefix("torch."),
-                                    seconds * 1e3, gigabytes_per_second, percent))
-        return {"gb_per_s": round(gigabytes_per_second, 2),
-                "ceiling_gb_per_s": round(self.ceiling_gigabytes_per_second, 2),
-                "percent_of_ceiling": round(percent, 1)}
+        percent = 100 * gigabytes_per_second / probe
+        self.rows.append(SummaryRow(source, threads, implementation, shape,
+                                    str(dtype).removeprefix("torch."), seconds * 1e3,
+                                    gigabytes_per_second, percent))
+        return {"source": source, "gb_per_s": round(gigabytes_per_second, 2),
+                "probe_gb_per_s": round(probe, 2), "percent_of_probe": round(percent, 1)}
 
 
 SUMMARY_KEY = pytest.StashKey[BenchmarkSummary]()
 
 
 @pytest.fixture(scope="session")
-def benchmark_summary(request) -> BenchmarkSummary:
-    """The session's summary, with the read-bandwidth ceiling measured when first needed."""
-    summary = request.config.stash.setdefault(SUMMARY_KEY, BenchmarkSummary())
-    if summary.ceiling_gigabytes_per_second is None:
-        summary.ceiling_gigabytes_per_second = measure_read_bandwidth()
+def benchmark_summary(request, working_set_bytes) -> BenchmarkSummary:
+    """The session's summary, with the probe measured at every thread count of THREAD_COUNTS
+    (first, while no other working set is allocated)."""
+    summary = request.config.stash.setdefault(SUMMARY_KEY, BenchmarkSummary(working_set_bytes))
+    require_memory(working_set_bytes, "the read probe's rotated buffer")
+    for threads in THREAD_COUNTS:
+        summary.probe(threads)
     return summary
+
+
+def shape_order(shape: str) -> tuple:
+    """'16x4096' sorts by its numbers; other labels after them."""
+    parts = shape.split("x")
+    return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else (math.inf,)
 
 
 @pytest.hookimpl(trylast=True)
@@ -91,12 +257,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     write = terminalreporter.write_line
     terminalreporter.section("kernel bandwidth summary")
-    write(f"machine: {machine_name()}; torch {torch.__version__}; "
-          f"{torch.get_num_threads()} threads")
-    write(f"read-bandwidth ceiling (float32 torch.sum over {PROBE_BYTES >> 30} GiB, best of "
-          f"{PROBE_REPEATS}): {summary.ceiling_gigabytes_per_second:.1f} GB/s")
-    write(f"{'implementation':<20}{'shape':<14}{'dtype':<10}{'ms':>9}{'GB/s':>9}"
-          f"{'% ceiling':>11}")
-    for row in sorted(summary.rows, key=lambda row: (row.shape, row.dtype, row.implementation)):
-        write(f"{row.implementation:<20}{row.shape:<14}{row.dtype:<10}{row.milliseconds:>9.2f}"
-              f"{row.gigabytes_per_second:>9.1f}{row.percent_of_ceiling:>10.0f}%")
+    cache = last_level_cache_bytes()
+    write(f"machine: {machine_name()}, {os.cpu_count()} CPUs, last-level cache "
+          f"{'unknown' if cache is None else f'{cache / (1 << 20):.0f} MiB'}; "
+          f"torch {torch.__version__}")
+    write(f"working set {summary.working_set_bytes / GIB:.1f} GiB, a different slice each call. "
+          f"Read probe (float32 torch.sum, a different 1/{PROBE_SLICES} of a "
+          f"{summary.working_set_bytes / GIB:.1f} GiB buffer each call, fastest of "
+          f"{PROBE_ROUNDS * PROBE_SLICES}): "
+          + ", ".join(f"{gigabytes:.1f} GB/s on {threads} threads" for threads, gigabytes
+                      in sorted(summary.probe_gigabytes_per_second.items(), reverse=True)))
+    write("% probe: the kernel's K/V bytes per second over the probe's at the same thread count")
+    for source, title in ((DRAM, "from DRAM (rotated working set)"),
+                          (IN_CACHE, "in cache (one small K/V set read on every call: partly "
+                                     "served from the last-level cache, not a DRAM figure)")):
+        rows = [row for row in summary.rows if row.source == source]
+        if not rows:
+            continue
+        write("")
+        write(title)
+        write(f"{'threads':>7}  {'implementation':<20}{'shape':<11}{'dtype':<10}{'ms':>9}"
+              f"{'GB/s':>9}{'% probe':>9}")
+        for row in sorted(rows, key=lambda row: (-row.threads, shape_order(row.shape), row.dtype,
+                                                 row.implementation)):
+            write(f"{row.threads:>7}  {row.implementation:<20}{row.shape:<11}{row.dtype:<10}"
+                  f"{row.milliseconds:>9.2f}{row.gigabytes_per_second:>9.1f}"
+                  f"{row.percent_of_probe:>8.0f}%")
