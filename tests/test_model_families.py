@@ -84,7 +84,7 @@ def test_the_interface_lists_what_the_engine_calls():
 
 def test_a_layer_class_without_the_stages_is_refused(monkeypatch):
     class StagelessLayer(torch.nn.Module):
-        def __init__(self, config, rotary, dtype, device):
+        def __init__(self, config, rotary, dtype, device, parallel=None):
             super().__init__()
             self.config, self.scale = config, config.head_dim ** -0.5
 
