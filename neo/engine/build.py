@@ -9,9 +9,10 @@ import torch
 
 from neo.config import EngineConfig
 from neo.kv.budget import gpu_kv_cache_bytes
-from neo.kv.kv_cache import GIB, CacheLayout, KVCache
+from neo.kv.kv_cache import GIB, CacheLayout, KVCache, smallest_over_ranks
 from neo.models.config import parse_dtype
 from neo.models.loader import load_model, resolve_model_config
+from neo.models.parallel import TensorParallel, check_divisible
 from neo.ops import OP_NAMES, implementations, select_implementation
 from neo.runner.decode_graphs import DecodeGraphs
 from neo.runner.executor import PipelineExecutor
@@ -21,6 +22,7 @@ from neo.runner.host_batches import HostBatchRunner
 from neo.runner.host_worker import HostAttentionWorker, default_cpu_attention_threads
 from neo.runner.model_runner import ModelRunner
 from neo.runner.pipeline_graphs import PipelineGraphs
+from neo.runner.rank_plan import PlanChannel
 from neo.runner.profiler import Profiler, ProfileLimits, load_perf_model
 from neo.sched.block_manager import BlockManager
 from neo.sched.calibration import HostTimeCalibration
@@ -83,8 +85,20 @@ def missing_kernel_note(op: str, device: str) -> str:
     return notes[0] if notes else f"no compiled kernel of neo.{op} for {device}"
 
 
-def build(config: EngineConfig) -> EngineParts:
+def rank_device(config: EngineConfig, parallel: TensorParallel) -> torch.device:
+    """The compute device of one rank: ``cuda:r`` for rank r of several on GPUs, else the
+    configured device."""
     device = config.compute_device
+    return torch.device("cuda", parallel.rank) if device.type == "cuda" and parallel.size > 1 else device
+
+
+def build(config: EngineConfig, parallel: TensorParallel | None = None,
+          plan_channel: PlanChannel | None = None) -> EngineParts:
+    """The parts of one engine, or of one rank of a tensor-parallel engine: ``parallel`` is the
+    rank's group (None: one rank), ``plan_channel`` the driver's channel to the other ranks
+    (``neo.engine.rank_workers``; None on the other ranks, which only run their runner)."""
+    parallel = parallel or TensorParallel()
+    device = rank_device(config, parallel)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     offloading = config.policy != "gpu-only"
@@ -92,6 +106,7 @@ def build(config: EngineConfig) -> EngineParts:
     placement = make_placement(config.policy, config.host_pipeline, config.placement)
     kernels = host_kernels(config.cpu_attention_kernel)
     model_config = resolve_model_config(config.model)
+    check_divisible(model_config, parallel.size)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
@@ -99,14 +114,15 @@ def build(config: EngineConfig) -> EngineParts:
     check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
                       int(config.cpu_kv_cache_gib * GIB), available_host_bytes())
     model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed,
-                       max_positions=max_model_len)
+                       max_positions=max_model_len, parallel=parallel)
     tokenizer = load_tokenizer(config.model)
     eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids
                               else model.config.eos_token_ids)
 
-    layout = CacheLayout.for_budgets(model.config, dtype, config.block_size,
+    layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
                                      gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
                                      host_bytes=int(config.cpu_kv_cache_gib * GIB))
+    layout = smallest_over_ranks(layout, parallel)  # one block manager addresses every rank's pools
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
                          f"raise gpu_kv_cache_gib or gpu_memory_utilization")
@@ -125,7 +141,9 @@ def build(config: EngineConfig) -> EngineParts:
                                 measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
     asynchronous = offloading and config.host_pipeline == "async"
     graph_context = None
-    if device.type == "cuda" and config.use_cuda_graphs:
+    if device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1:
+        logger.warning("CUDA graphs are off: tensor_parallel_size %d runs every iteration eagerly", parallel.size)
+    elif device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
         python_ops = ops_without_native_kernel("cuda")
         if python_ops:
@@ -145,7 +163,7 @@ def build(config: EngineConfig) -> EngineParts:
     if pad_rows and device.type == "cuda":
         warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
-                         pipeline_graphs, host_batches)
+                         pipeline_graphs, host_batches, plan_channel)
 
     perf_model, profiler = PerfModel.zero(), None
     if offloading:  # the profiler, when it runs, measures through the runner built above

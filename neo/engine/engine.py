@@ -19,6 +19,7 @@ from neo.sched.scheduler_output import SchedulerOutput
 from .build import build
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .parallel_sampling import ParentRequest, child_params, child_request_id
+from .rank_workers import RankWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,26 @@ class LLMEngine:
     Its parts are built by ``neo.engine.build`` for the policy and the host pipeline, the step
     function among them: ``_step`` (schedule -> execute -> update) or, under the async host
     pipeline, ``_step_with_host_batches`` (which also launches and collects host batches).
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it starts the other ranks
+    (``RankWorkers``), and its runner hands them each plan; a failed rank fails the iteration it
+    broke and every later step raises.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.compute_device
-        parts = build(config)
+        self.rank_workers = RankWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            parts = (build(config) if self.rank_workers is None
+                     else build(config, self.rank_workers.parallel, self.rank_workers.channel))
+        except BaseException as error:
+            if self.rank_workers is not None:
+                rank_error = self.rank_workers.failure(error)
+                self.rank_workers.shutdown()
+                if self.rank_workers.failed_rank is not None:
+                    raise rank_error from error
+            raise
         self.model = parts.model
         self.model_config = parts.model.config
         self.tokenizer = parts.tokenizer
@@ -212,6 +227,8 @@ class LLMEngine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self.rank_workers is not None:
+            self.rank_workers.raise_if_failed()
         outputs = self._step_function(on_launched)
         return self._gather_children(outputs) if self._parent_of else outputs
 
@@ -276,6 +293,8 @@ class LLMEngine:
         try:
             output = self.runner.execute(plan, on_launched)
         except BaseException as error:
+            if self.rank_workers is not None and isinstance(error, Exception):
+                error = self.rank_workers.failure(error)
             failed += self._fail(plan.affected_requests, error, "its iteration failed")
             if not isinstance(error, Exception):
                 raise
@@ -458,3 +477,5 @@ class LLMEngine:
         if self.worker is not None:
             self.worker.shutdown()
         self.kv_cache.close()
+        if self.rank_workers is not None:
+            self.rank_workers.shutdown()
