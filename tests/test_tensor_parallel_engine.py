@@ -1,8 +1,10 @@
 """The engine on 2 tensor-parallel ranks (``neo.engine.rank_workers``), on the CPU with gloo.
 
 Greedy tokens of ``LLM(..., tensor_parallel_size=2)`` must equal the one-rank engine's for
-prompts of different lengths with a compute pool so small that requests are preempted (both
-engines' pools hold the same number of blocks, so they run the same schedule). A worker rank
+prompts of different lengths with a compute pool so small that requests are preempted
+(gpu-only) or decode on the host (neo under both host pipelines; full-offload); both engines'
+pools hold the same number of blocks, so they run the same schedule. An engine that profiles
+its stage times does so on both ranks in lockstep, under a key that names the rank count. A worker rank
 that fails (interrupted: it reports a ``KeyboardInterrupt``; killed: it reports nothing) must
 surface as an error in the caller with the other ranks stopped; closing the engine, or the
 driver's process ending without closing it, must leave no worker process behind.
@@ -57,6 +59,36 @@ def one_rank_tokens():
     finally:
         llm.close()
     return tokens
+
+
+OFFLOADING = [("neo", "lockstep"), ("neo", "async"), ("full-offload", "async")]
+
+
+@pytest.mark.parametrize("policy, host_pipeline", OFFLOADING, ids=[f"{policy}-{pipeline}" for policy, pipeline in OFFLOADING])
+def test_two_ranks_give_the_greedy_tokens_of_one_when_offloading(one_rank_tokens, policy, host_pipeline):
+    llm = LLM("neo-tiny", **engine_options(2, policy, host_pipeline=host_pipeline))
+    workers = [process.pid for process in llm.engine.rank_workers.processes]
+    try:
+        assert greedy_tokens(llm) == one_rank_tokens
+        assert llm.engine.metrics.host_decode_tokens > 0
+        assert llm.engine.worker.num_threads == max(1, len(os.sched_getaffinity(0)) // 2 - 1)
+    finally:
+        llm.close()
+    assert not [pid for pid in workers if process_exists(pid)]
+
+
+def test_two_ranks_profile_in_lockstep_under_their_own_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    small = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.01, max_num_batched_tokens=64, max_num_seqs=8,
+                 max_model_len=256)
+    llm = LLM("neo-tiny", device="cpu", policy="neo", perf_model="auto", tensor_parallel_size=2, **small)
+    try:
+        key = llm.engine.scheduler.estimates.perf_model.table.key
+        assert key["tensor_parallel_size"] == 2
+        assert len(llm.generate(PROMPTS[:2], PARAMS)) == 2
+    finally:
+        llm.close()
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # the driver alone saves the table
 
 
 def test_two_ranks_give_the_greedy_tokens_of_one_under_gpu_only(one_rank_tokens):

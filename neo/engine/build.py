@@ -19,6 +19,7 @@ from neo.runner.executor import PipelineExecutor
 from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
 from neo.runner.host_attention import HostKernels
 from neo.runner.host_batches import HostBatchRunner
+from neo.runner.host_cores import rank_cores
 from neo.runner.host_worker import HostAttentionWorker, default_cpu_attention_threads
 from neo.runner.model_runner import ModelRunner
 from neo.runner.pipeline_graphs import PipelineGraphs
@@ -92,6 +93,17 @@ def rank_device(config: EngineConfig, parallel: TensorParallel) -> torch.device:
     return torch.device("cuda", parallel.rank) if device.type == "cuda" and parallel.size > 1 else device
 
 
+def host_attention_worker(config: EngineConfig, parallel: TensorParallel) -> HostAttentionWorker:
+    """The host-attention thread of one rank. On one rank it uses ``cpu_attention_threads`` (all
+    cores but one unless set); on several, each rank has its share of the host's cores
+    (``rank_cores``: within one NUMA node, and pinned there, where the host has several) and
+    uses ``cpu_attention_threads`` or all of its share but one (at least one)."""
+    if parallel.size == 1:
+        return HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+    cores, pin = rank_cores(parallel.rank, parallel.size)
+    return HostAttentionWorker(config.cpu_attention_threads or max(1, len(cores) - 1), cores if pin else None)
+
+
 def build(config: EngineConfig, parallel: TensorParallel | None = None,
           plan_channel: PlanChannel | None = None) -> EngineParts:
     """The parts of one engine, or of one rank of a tensor-parallel engine: ``parallel`` is the
@@ -133,7 +145,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     kv_cache = KVCache(layout, device)
     block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
 
-    worker = HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads()) if offloading else None
+    worker = host_attention_worker(config, parallel) if offloading else None
     max_blocks_per_sequence = -(-max_model_len // config.block_size)
     pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else device.type == "cuda"
     executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
@@ -170,7 +182,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         profiler = Profiler(runner, block_manager,
                             ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
                             worker.num_threads, kernels.attention.name, stage_order)
-        perf_model = load_perf_model(config.perf_model, profiler)
+        if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
+            perf_model = load_perf_model(config.perf_model, profiler)
     estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order)
     scheduler = Scheduler(config, block_manager, placement, estimates,
                           finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))

@@ -69,8 +69,15 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
         parallel, channel = join_group(rank, config.tensor_parallel_size, port, config.compute_device.type)
         parts = build(config, parallel)
         while (message := channel.receive()) is not None:
-            _, plan = message
-            parts.runner.follow(plan)
+            kind, payload = message
+            if kind == "execute":
+                parts.runner.follow(payload)
+            elif kind == "launch":
+                parts.runner.follow_host_batch(payload)
+            elif kind == "profile":
+                parts.profiler.run()
+            else:
+                raise ValueError(f"unknown message {kind!r} from the driver rank")
     except BaseException as error:
         failures.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
         raise SystemExit(1) from None

@@ -19,7 +19,7 @@ from .executor import PipelineExecutor
 from .host_batches import HostBatchRunner
 from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
-from .rank_plan import PlanChannel, planned
+from .rank_plan import PlanChannel, planned, planned_sub_batch
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
@@ -134,7 +134,14 @@ class ModelRunner:
         """Launch a host batch on its own stream (async host pipeline)."""
         if self.host_batches is None:
             raise RuntimeError("this engine runs no host batches (host_pipeline is not 'async')")
+        if self.plan_channel is not None:
+            self.plan_channel.send(("launch", planned_sub_batch(batch)))
         self.host_batches.launch(batch)
+
+    def follow_host_batch(self, batch: SubBatch) -> None:
+        """A rank other than the driver: run a host batch received from it over this rank's
+        shard (async host pipeline)."""
+        self.host_batches.follow(batch)
 
     @property
     def host_batch_in_flight(self) -> bool:

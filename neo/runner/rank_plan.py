@@ -9,9 +9,12 @@ tables are the same on every rank (one block manager), so the pools of all ranks
 number of blocks. Sampling stays on the driver: the sampled tokens reach the other ranks as the
 next plan's decode inputs.
 
-The channel is a gloo group of its own (``PlanChannel``): ``broadcast_object_list`` pickles the
-message on rank 0 and unpickles it on the others. A message of ``None`` tells the others to
-stop.
+Messages are ``(kind, payload)``: ``("execute", planned(plan))`` before an iteration,
+``("launch", planned_sub_batch(host_batch))`` before a host batch of the async host pipeline is
+launched, ``("profile", None)`` before the driver profiles stage times (every rank then runs its
+own profiler in lockstep: the model's collectives join their measurements); ``None`` tells the
+others to stop. The channel is a gloo group of its own (``PlanChannel``):
+``broadcast_object_list`` pickles the message on rank 0 and unpickles it on the others.
 """
 
 from dataclasses import dataclass
