@@ -76,8 +76,8 @@ def test_models_satisfy_the_interface(variant, layer_class, tmp_path):
 
 
 def test_the_interface_lists_what_the_engine_calls():
-    assert {"config", "layers", "embed", "final_norm", "compute_logits", "logits_weight", "forward",
-            "max_positions", "parameters", "checkpoint_targets"} == set(interface_members(CausalLMInterface))
+    assert {"config", "rank_config", "parallel", "layers", "embed", "final_norm", "compute_logits", "logits_weight",
+            "forward", "max_positions", "parameters", "checkpoint_targets"} == set(interface_members(CausalLMInterface))
     assert {"config", "scale", "pre_attention", "attention", "post_attention", "gemm_weights",
             "checkpoint_targets"} == set(interface_members(DecoderLayerInterface))
 

@@ -248,6 +248,8 @@ class LLMEngine:
             try:
                 self.runner.launch_host_batch(plan.host_batch)
             except BaseException as error:
+                if self.rank_workers is not None and isinstance(error, Exception):
+                    error = self.rank_workers.failure(error)
                 failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
                 if not isinstance(error, Exception):
                     self._fail(plan.affected_requests, error, "the engine was interrupted")
