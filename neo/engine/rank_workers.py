@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -42,6 +43,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a collective (or the start) waiting longer fails
 STOP_SECONDS = 30.0  # how long a worker may take to end after being told to
 REPORT_SECONDS = 5.0  # how long the driver waits for a failed worker's report
+REPORT_POLL_SECONDS = 0.05
 
 
 def _free_port() -> int:
@@ -126,16 +128,29 @@ class RankWorkers:
         failed and why when one did (waiting up to ``REPORT_SECONDS`` for its report). The other
         workers are stopped; every later ``raise_if_failed`` raises it."""
         if self.error is None:
-            try:
-                self.failed_rank, summary, details = self.failures.get(timeout=REPORT_SECONDS)
+            report = self._report()
+            if report is not None:
+                self.failed_rank, summary, details = report
                 logger.error("tensor-parallel rank %d failed:\n%s", self.failed_rank, details)
                 self.error = RuntimeError(f"tensor-parallel rank {self.failed_rank} failed: {summary}")
-            except queue.Empty:
+            else:
                 dead = [process.name for process in self.processes if not process.is_alive()]
                 cause = f"{', '.join(dead)} ended" if dead else f"{type(error).__name__}: {error}"
                 self.error = RuntimeError(f"the tensor-parallel ranks stopped working together: {cause}")
             self._stop_processes()
         return self.error
+
+    def _report(self) -> tuple[int, str, str] | None:
+        """A failed worker's report, waiting up to ``REPORT_SECONDS`` for one. A worker flushes
+        its report before its process ends, so once one has ended a last look suffices."""
+        deadline = time.monotonic() + REPORT_SECONDS
+        while True:
+            ended = any(not process.is_alive() for process in self.processes)
+            try:
+                return self.failures.get(timeout=0.0 if ended else REPORT_POLL_SECONDS)
+            except queue.Empty:
+                if ended or time.monotonic() > deadline:
+                    return None
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
