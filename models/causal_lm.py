@@ -8,15 +8,21 @@ The decoder-layer class comes from the architecture's registry row (``registry.p
 rest is the same for every family. ``forward`` runs the stages in sequence; a pipeline calls
 ``embed``, the layers' stages, ``final_norm`` and ``compute_logits`` itself (the contract is
 written down in ``interface.py``).
+
+With a tensor-parallel group (``parallel.py``) the model holds one rank's part: its layers hold
+the rank's heads and MLP columns (``rank_config``), the embedding table and LM head its
+vocabulary rows; ``embed`` and ``compute_logits`` join the ranks' parts, so every rank sees the
+whole hidden states and the whole logits.
 """
 
 import torch
 import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata
-from .checkpoint import CheckpointTarget, whole
+from .checkpoint import CheckpointTarget, split, whole
 from .config import ModelConfig
 from .interface import DecoderLayerInterface, missing_members
+from .parallel import TensorParallel, rank_config
 from .parameters import empty_parameter
 from .registry import model_family
 from .rotary import RotaryEmbedding
@@ -29,20 +35,30 @@ class CausalLM(torch.nn.Module):
     ``[hidden]``, ``lm_head_weight`` ``[vocab, hidden]`` (the same Parameter as
     ``embed_tokens_weight`` when ``tie_word_embeddings``). ``rotary`` holds the float32
     cos/sin table shared by all layers, one row per position below ``max_positions``.
+
+    ``config`` is the whole model's; ``rank_config`` the shapes this rank holds (``config``
+    itself on one rank): ``vocab`` above is ``rank_config.vocab_size``, and the KV cache of a
+    rank holds ``rank_config.num_kv_heads`` heads.
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, parallel: TensorParallel | None = None):
         """``max_positions`` caps the context length below ``max_position_embeddings``; it must
-        fit the model's sliding window, if it has one (``ModelConfig.context_length``)."""
+        fit the model's sliding window, if it has one (``ModelConfig.context_length``).
+        ``parallel``: the tensor-parallel group this model is one rank of (None: one rank); its
+        size must divide the heads, KV heads, intermediate size and vocabulary (a
+        ``ValueError`` lists the sizes that do)."""
         super().__init__()
         self.config = config
-        hidden = config.hidden_size
+        self.parallel = parallel or TensorParallel()
+        self.rank_config = rank_config(config, self.parallel.size)
+        hidden, vocab = config.hidden_size, self.rank_config.vocab_size
         layer_class = model_family(config.architecture, source=config.name).layer_class
         self.rotary = RotaryEmbedding(config, device, config.context_length(max_positions))
-        self.embed_tokens_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
+        self.embed_tokens_weight = empty_parameter((vocab, hidden), dtype, device)
         self.layers = torch.nn.ModuleList(
-            layer_class(config, self.rotary, dtype, device) for _ in range(config.num_layers))
+            layer_class(self.rank_config, self.rotary, dtype, device, self.parallel)
+            for _ in range(config.num_layers))
         missing = missing_members(self.layers[0], DecoderLayerInterface)
         if missing:
             raise TypeError(f"{layer_class.__name__}, the layer of {config.architecture}, lacks "
@@ -51,7 +67,7 @@ class CausalLM(torch.nn.Module):
         if config.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens_weight
         else:
-            self.lm_head_weight = empty_parameter((config.vocab_size, hidden), dtype, device)
+            self.lm_head_weight = empty_parameter((vocab, hidden), dtype, device)
 
     @property
     def max_positions(self) -> int:
@@ -59,8 +75,17 @@ class CausalLM(torch.nn.Module):
         return self.rotary.num_positions
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[T]`` token ids -> ``[T, hidden]`` embeddings (model dtype)."""
-        return F.embedding(input_ids, self.embed_tokens_weight)
+        """int64 ``[T]`` token ids -> ``[T, hidden]`` embeddings (model dtype).
+
+        On several ranks each embeds the ids of its vocabulary rows (the other rows are zero)
+        and an all-reduce sums the ranks' rows."""
+        if self.parallel.size == 1:
+            return F.embedding(input_ids, self.embed_tokens_weight)
+        rows = self.rank_config.vocab_size
+        local_ids = input_ids - self.parallel.rank * rows
+        elsewhere = (local_ids < 0) | (local_ids >= rows)
+        hidden = F.embedding(local_ids.masked_fill(elsewhere, 0), self.embed_tokens_weight)
+        return self.parallel.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(1), 0))
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -92,21 +117,25 @@ class CausalLM(torch.nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` final-normed states -> float32 logits ``[N, vocab]``."""
-        return F.linear(hidden, self.logits_weight()).float()
+        """``[N, hidden]`` final-normed states -> float32 logits ``[N, config.vocab_size]`` (on
+        several ranks: each rank's vocabulary rows, all-gathered in rank order)."""
+        return self.parallel.gather_columns(F.linear(hidden, self.logits_weight())).float()
 
     def logits_weight(self) -> torch.nn.Parameter:
-        """The weight of the logits GEMM ``compute_logits`` runs: ``[vocab, hidden]`` in the
-        model's dtype and device (the embedding table when the embeddings are tied)."""
+        """The weight of the logits GEMM ``compute_logits`` runs: ``[vocab, hidden]`` (this
+        rank's vocabulary rows) in the model's dtype and device (the embedding table when the
+        embeddings are tied)."""
         return self.lm_head_weight
 
     def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
         """Hugging Face tensor name -> its place in the model, for every tensor a checkpoint
-        must hold (``lm_head.weight`` only when the embeddings are not tied)."""
-        targets = {"model.embed_tokens.weight": whole(self.embed_tokens_weight),
+        must hold (``lm_head.weight`` only when the embeddings are not tied): this rank's part
+        of each."""
+        shard = (self.parallel.rank, self.parallel.size)
+        targets = {"model.embed_tokens.weight": split(self.embed_tokens_weight, 0, *shard),
                    "model.norm.weight": whole(self.final_norm_weight)}
         if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = whole(self.lm_head_weight)
+            targets["lm_head.weight"] = split(self.lm_head_weight, 0, *shard)
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
             targets.update({prefix + name: target

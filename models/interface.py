@@ -23,6 +23,7 @@ import torch
 from .attention_metadata import AttentionMetadata
 from .checkpoint import CheckpointTarget
 from .config import ModelConfig
+from .parallel import TensorParallel
 
 
 class DecoderLayerInterface(Protocol):
@@ -72,9 +73,15 @@ class DecoderLayerInterface(Protocol):
 
 
 class CausalLMInterface(Protocol):
-    """A causal language model: embeddings, ``layers``, final norm, logits."""
+    """A causal language model: embeddings, ``layers``, final norm, logits.
+
+    Under tensor parallelism (``parallel.py``) it is one rank's part: ``config`` is the whole
+    model's shapes, ``rank_config`` the part this rank holds (the KV heads its caches hold; the
+    same object on one rank), ``parallel`` the rank's place in its group."""
 
     config: ModelConfig
+    rank_config: ModelConfig
+    parallel: TensorParallel
     layers: Sequence[DecoderLayerInterface]
 
     @property
@@ -96,8 +103,8 @@ class CausalLMInterface(Protocol):
         ...
 
     def logits_weight(self) -> torch.nn.Parameter:
-        """The ``[vocab, hidden]`` weight (model dtype and device) of the GEMM
-        ``compute_logits`` runs, so the engine can warm up its shapes."""
+        """The ``[vocab, hidden]`` weight (model dtype and device; this rank's vocabulary rows)
+        of the GEMM ``compute_logits`` runs, so the engine can warm up its shapes."""
         ...
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

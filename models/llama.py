@@ -15,14 +15,19 @@ Tensors are token-major: a sub-batch of ``T`` tokens is ``[T, hidden]``, laid ou
 
 Parameters are created empty on the target device and dtype (no host copy, no init pass);
 the loader fills them. Kernels are ``torch.ops.neo.*``; GEMMs are ``torch.nn.functional.linear``.
+
+Under tensor parallelism (``parallel.py``) a layer holds one rank's heads and MLP columns: its
+``config`` is the rank's shapes (``rank_config``), and the O and down projections sum their
+partial products over the ranks (``TensorParallel.row_parallel_linear``).
 """
 
 import torch
 import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata
-from .checkpoint import CheckpointTarget, row_pieces, whole
+from .checkpoint import CheckpointTarget, row_pieces, split, whole
 from .config import ModelConfig
+from .parallel import TensorParallel
 from .parameters import empty_parameter, optional_parameter
 from .rotary import RotaryEmbedding
 
@@ -39,12 +44,16 @@ class DecoderLayer(torch.nn.Module):
     - ``gate_up_proj_weight`` ``[2 * intermediate, hidden]`` (rows: gate | up), optional
       ``gate_up_proj_bias`` ``[2 * intermediate]``
     - ``down_proj_weight`` ``[hidden, intermediate]``, optional ``down_proj_bias`` ``[hidden]``
+
+    Sizes are this rank's (``config`` is ``rank_config`` of the model's): ``q_size``,
+    ``kv_size`` and ``intermediate`` are the unsplit model's divided by ``parallel.size``.
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, parallel: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.parallel = parallel or TensorParallel()
         self.rotary = rotary
         self.scale = config.head_dim ** -0.5
         hidden, intermediate = config.hidden_size, config.intermediate_size
@@ -64,8 +73,9 @@ class DecoderLayer(torch.nn.Module):
     def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
         """Hugging Face tensor name, relative to the layer (``self_attn.q_proj.weight``; the
         model adds ``model.layers.{i}.``) -> its place in this layer, for every tensor a
-        checkpoint must hold."""
+        checkpoint must hold: this rank's part of each (``checkpoint.py``)."""
         config = self.config
+        shard = (self.parallel.rank, self.parallel.size)
         targets = {"input_layernorm.weight": whole(self.input_norm_weight),
                    "post_attention_layernorm.weight": whole(self.post_attention_norm_weight)}
         qkv_pieces = [("q_proj", config.q_size), ("k_proj", config.kv_size),
@@ -76,13 +86,14 @@ class DecoderLayer(torch.nn.Module):
             qkv = getattr(self, f"qkv_proj_{suffix}")
             gate_up = getattr(self, f"gate_up_proj_{suffix}")
             if qkv is not None:
-                targets.update(row_pieces(qkv, "self_attn.", suffix, qkv_pieces))
+                targets.update(row_pieces(qkv, "self_attn.", suffix, qkv_pieces, *shard))
             if gate_up is not None:
-                targets.update(row_pieces(gate_up, "mlp.", suffix, gate_up_pieces))
-            for name, attribute in ((f"self_attn.o_proj.{suffix}", f"o_proj_{suffix}"),
-                                    (f"mlp.down_proj.{suffix}", f"down_proj_{suffix}")):
-                if getattr(self, attribute) is not None:
-                    targets[name] = whole(getattr(self, attribute))
+                targets.update(row_pieces(gate_up, "mlp.", suffix, gate_up_pieces, *shard))
+        targets["self_attn.o_proj.weight"] = split(self.o_proj_weight, 1, *shard)
+        targets["mlp.down_proj.weight"] = split(self.down_proj_weight, 1, *shard)
+        for name, bias in (("self_attn.o_proj.bias", self.o_proj_bias), ("mlp.down_proj.bias", self.down_proj_bias)):
+            if bias is not None:
+                targets[name] = whole(bias)
         return targets
 
     def gemm_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter | None]]:
@@ -160,13 +171,16 @@ class DecoderLayer(torch.nn.Module):
         attn_out ``[T, H, D]``; residual ``[T, hidden]`` (updated in place and returned).
         Returns the MLP output ``[T, hidden]`` (not yet added to the residual: the next
         layer's ``pre_attention`` or ``CausalLM.final_norm`` does that) and the residual.
-        ``meta`` is unused; it keeps the three stages' signatures alike.
+        ``meta`` is unused; it keeps the three stages' signatures alike. Under tensor
+        parallelism ``attn_out`` holds this rank's heads and the O and down projections are
+        all-reduced, so every rank returns the whole ``[T, hidden]``.
         """
-        hidden = F.linear(attn_out.reshape(attn_out.shape[0], self.config.q_size),
-                          self.o_proj_weight, self.o_proj_bias)
+        parallel = self.parallel
+        hidden = parallel.row_parallel_linear(attn_out.reshape(attn_out.shape[0], self.config.q_size),
+                                              self.o_proj_weight, self.o_proj_bias)
         torch.ops.neo.fused_add_rms_norm(hidden, residual, self.post_attention_norm_weight,
                                          self.config.rms_norm_eps)
         gate_up = F.linear(hidden, self.gate_up_proj_weight, self.gate_up_proj_bias)
         activated = gate_up.new_empty(gate_up.shape[0], self.config.intermediate_size)
         torch.ops.neo.silu_and_mul(activated, gate_up)
-        return F.linear(activated, self.down_proj_weight, self.down_proj_bias), residual
+        return parallel.row_parallel_linear(activated, self.down_proj_weight, self.down_proj_bias), residual

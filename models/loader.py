@@ -12,6 +12,10 @@ Loading builds the model empty on its device and dtype, then fills it one checkp
 a time: q/k/v are copied into their rows of the fused QKV weight and gate/up into the fused
 gate/up weight. Host memory holds at most one checkpoint tensor (in the checkpoint's dtype)
 beyond the memory-mapped files.
+
+A tensor-parallel rank (``parallel.py``) reads only its part of each split tensor: a safetensors
+slice of its rows or columns (``CheckpointTarget.part_index``). Its dummy weights are the
+one-rank model's, sliced (``initialize_dummy_shards``).
 """
 
 import glob
@@ -27,6 +31,7 @@ from . import tiny
 from .causal_lm import CausalLM
 from .checkpoint import CheckpointTarget
 from .config import ModelConfig, parse_dtype
+from .parallel import TensorParallel
 from .registry import config_from_hf, read_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -78,7 +83,7 @@ def resolve_model_config(model: str, dtype: torch.dtype | str | None = None) -> 
 
 def load_model(model: str, *, dtype: torch.dtype | str, device: torch.device | str,
                load_format: str = "auto", seed: int = 0,
-               max_positions: int | None = None) -> CausalLM:
+               max_positions: int | None = None, parallel: TensorParallel | None = None) -> CausalLM:
     """Build a ``CausalLM`` on ``device`` in ``dtype`` and fill its weights.
 
     load_format: ``"auto"`` (safetensors for a directory, built-in weights for neo-tiny),
@@ -86,7 +91,8 @@ def load_model(model: str, *, dtype: torch.dtype | str, device: torch.device | s
     norm weights of the real shapes, generated on ``device`` from ``seed``). ``max_positions``
     caps the rotary table (and so the longest sequence) below the config's
     ``max_position_embeddings``; a model with a sliding window smaller than that context length
-    is refused (``ModelConfig.context_length``).
+    is refused (``ModelConfig.context_length``). ``parallel``: the tensor-parallel group the
+    model is one rank of (None: one rank); the rank loads its part of the weights only.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; use one of "
@@ -102,8 +108,11 @@ def load_model(model: str, *, dtype: torch.dtype | str, device: torch.device | s
         raise ValueError(f"{tiny.TINY_NAME} has built-in weights, not safetensors files; use "
                          f"load_format='auto' (or save_tiny() it to a directory first)")
     with torch.no_grad():
-        causal_lm = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions)
-        if load_format == "dummy":
+        causal_lm = CausalLM(config, dtype=dtype, device=device, max_positions=max_positions,
+                             parallel=parallel)
+        if load_format == "dummy" and causal_lm.parallel.size > 1:
+            initialize_dummy_shards(causal_lm, seed)
+        elif load_format == "dummy":
             initialize_dummy_weights(causal_lm, seed)
         elif kind == "tiny":
             load_checkpoint_dict(causal_lm, tiny.tiny_checkpoint())
@@ -127,6 +136,35 @@ def initialize_dummy_weights(model: CausalLM, seed: int, bound: float = 1e-3) ->
                 parameter.fill_(1.0)
             else:
                 parameter.uniform_(-bound, bound, generator=generator)
+
+
+def initialize_dummy_shards(model: CausalLM, seed: int, bound: float = 1e-3) -> None:
+    """Fill one tensor-parallel rank with its part of the dummy weights
+    ``initialize_dummy_weights`` gives the one-rank model of the same seed.
+
+    Walks the one-rank model's parameters (built on the meta device) in the same order, draws
+    each whole on this rank's device from the same generator, and copies this rank's part of
+    every checkpoint tensor it holds. Rank r of N thus holds exactly the rows and columns of the
+    one-rank weights its checkpoint targets name; each rank draws every tensor (one at a time)
+    but keeps only its part.
+    """
+    device = model.final_norm_weight.device
+    dtype = model.final_norm_weight.dtype
+    generator = torch.Generator(device).manual_seed(seed)
+    whole_model = CausalLM(model.config, dtype=dtype, device="meta", max_positions=1)
+    pieces_of: dict[int, list[tuple[str, CheckpointTarget]]] = {}
+    for name, target in whole_model.checkpoint_targets().items():
+        pieces_of.setdefault(id(target.parameter), []).append((name, target))
+    rank_targets = model.checkpoint_targets()
+    with torch.no_grad():
+        for parameter_name, parameter in whole_model.named_parameters():
+            values = torch.empty(parameter.shape, dtype=dtype, device=device)
+            if parameter_name.endswith("norm_weight"):
+                values.fill_(1.0)
+            else:
+                values.uniform_(-bound, bound, generator=generator)
+            for name, target in pieces_of[id(parameter)]:
+                copy_checkpoint_tensor(rank_targets[name], name, values.narrow(0, target.row_start, target.shape[0]))
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
@@ -165,13 +203,19 @@ def verify_checkpoint_names(model: CausalLM, names,
     return targets
 
 
+def check_checkpoint_shape(target: CheckpointTarget, name: str, shape: tuple[int, ...]) -> None:
+    """A ``ValueError`` unless checkpoint tensor ``name`` of ``shape`` has the shape the config
+    implies."""
+    if shape != target.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {shape}, the config implies {target.shape}")
+
+
 def copy_checkpoint_tensor(target: CheckpointTarget, name: str, tensor: torch.Tensor) -> None:
-    """Copy one checkpoint tensor into its place (converting dtype and device)."""
-    if tuple(tensor.shape) != target.shape:
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config "
-                         f"implies {target.shape}")
+    """Copy (this rank's part of) one whole checkpoint tensor into its place (converting dtype
+    and device)."""
+    check_checkpoint_shape(target, name, tuple(tensor.shape))
     with torch.no_grad():
-        target.destination().copy_(tensor)
+        target.destination().copy_(tensor if target.shard_dim is None else tensor[target.part_index()])
 
 
 def load_checkpoint_dict(model: CausalLM, checkpoint: dict[str, torch.Tensor]) -> None:
@@ -207,7 +251,8 @@ def safetensors_files(directory: str) -> list[str]:
 
 
 def load_safetensors(model: CausalLM, directory: str) -> None:
-    """Fill ``model`` from the safetensors checkpoint in ``directory``, one tensor at a time."""
+    """Fill ``model`` from the safetensors checkpoint in ``directory``, one tensor at a time (a
+    tensor-parallel rank reads only its part of each split tensor)."""
     files = safetensors_files(directory)
     file_of: dict[str, str] = {}
     for path in files:
@@ -221,5 +266,13 @@ def load_safetensors(model: CausalLM, directory: str) -> None:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as checkpoint:
             for name in checkpoint.keys():
-                if name in targets:
-                    copy_checkpoint_tensor(targets[name], name, checkpoint.get_tensor(name))
+                target = targets.get(name)
+                if target is None:
+                    continue
+                if target.shard_dim is None:
+                    copy_checkpoint_tensor(target, name, checkpoint.get_tensor(name))
+                    continue
+                part = checkpoint.get_slice(name)
+                check_checkpoint_shape(target, name, tuple(part.get_shape()))
+                with torch.no_grad():
+                    target.destination().copy_(part[target.part_index()])

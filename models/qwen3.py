@@ -12,6 +12,7 @@ import torch
 from .checkpoint import CheckpointTarget, whole
 from .config import ModelConfig
 from .llama import DecoderLayer
+from .parallel import TensorParallel
 from .parameters import empty_parameter
 from .rotary import RotaryEmbedding
 
@@ -24,8 +25,8 @@ class Qwen3DecoderLayer(DecoderLayer):
     """
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device | str):
-        super().__init__(config, rotary, dtype, device)
+                 device: torch.device | str, parallel: TensorParallel | None = None):
+        super().__init__(config, rotary, dtype, device, parallel)
         self.q_norm_weight = empty_parameter((config.head_dim,), dtype, device)
         self.k_norm_weight = empty_parameter((config.head_dim,), dtype, device)
 

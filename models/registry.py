@@ -28,7 +28,8 @@ class ModelFamily:
 
     architecture: the name in ``config.json``'s ``architectures[0]``.
     layer_class: the decoder layer (``DecoderLayer`` or a subclass), built as
-        ``layer_class(config, rotary, dtype, device)`` for every layer.
+        ``layer_class(config, rotary, dtype, device, parallel)`` for every layer (``config``:
+        the shapes of one tensor-parallel rank, ``parallel``: its ``TensorParallel``).
     read_config: the family-specific ``ModelConfig`` fields (``qkv_bias``, ``o_proj_bias``,
         ``mlp_bias``, ``sliding_window``, optionally ``head_dim``) from the ``config.json`` dict;
         raises ``ValueError`` for a setting neo does not support.

@@ -65,6 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=defaults.model,
                        help="neo-tiny (built-in, random weights), a shipped config name (with "
                             "--load-format dummy), or a Hugging Face model directory")
+    group.add_argument("--tensor-parallel-size", type=cli_values.integer_at_least(1),
+                       default=defaults.tensor_parallel_size,
+                       help="ranks (one process and device each) that split every layer's heads and MLP")
     group.add_argument("--device", type=cli_values.device, default=None,
                        help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,

@@ -19,6 +19,10 @@ class EngineConfig:
     model: "neo-tiny", a shipped config name (with ``load_format="dummy"``) or a Hugging Face
         model directory.
     device: compute device; None picks CUDA when available, else the CPU.
+    tensor_parallel_size: ranks that split the model Megatron-style (``neo.models.parallel``),
+        one process each, on as many devices (``cuda:0`` .. ``cuda:N-1``, or N CPU processes);
+        it must divide the model's heads, KV heads, intermediate size and vocabulary, which is
+        checked when the engine is built.
     dtype: "auto" (the checkpoint's dtype on CUDA, float32 on the CPU) or a dtype name.
     policy: "gpu-only" (all KV on the compute device, preemption by swapping), "neo" (overflow
         requests decode on the host CPU, asymmetric pipeline, load-aware choice per iteration) or
@@ -58,6 +62,7 @@ class EngineConfig:
 
     model: str = "neo-tiny"
     device: str | None = None
+    tensor_parallel_size: int = 1
     dtype: str = "auto"
     policy: str = "gpu-only"
     load_format: str = "auto"
@@ -103,6 +108,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -76,15 +76,15 @@ def test_models_satisfy_the_interface(variant, layer_class, tmp_path):
 
 
 def test_the_interface_lists_what_the_engine_calls():
-    assert {"config", "layers", "embed", "final_norm", "compute_logits", "logits_weight", "forward",
-            "max_positions", "parameters", "checkpoint_targets"} == set(interface_members(CausalLMInterface))
+    assert {"config", "rank_config", "parallel", "layers", "embed", "final_norm", "compute_logits", "logits_weight",
+            "forward", "max_positions", "parameters", "checkpoint_targets"} == set(interface_members(CausalLMInterface))
     assert {"config", "scale", "pre_attention", "attention", "post_attention", "gemm_weights",
             "checkpoint_targets"} == set(interface_members(DecoderLayerInterface))
 
 
 def test_a_layer_class_without_the_stages_is_refused(monkeypatch):
     class StagelessLayer(torch.nn.Module):
-        def __init__(self, config, rotary, dtype, device):
+        def __init__(self, config, rotary, dtype, device, parallel=None):
             super().__init__()
             self.config, self.scale = config, config.head_dim ** -0.5
 

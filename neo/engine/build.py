@@ -9,18 +9,21 @@ import torch
 
 from neo.config import EngineConfig
 from neo.kv.budget import gpu_kv_cache_bytes
-from neo.kv.kv_cache import GIB, CacheLayout, KVCache
+from neo.kv.kv_cache import GIB, CacheLayout, KVCache, smallest_over_ranks
 from neo.models.config import parse_dtype
 from neo.models.loader import load_model, resolve_model_config
+from neo.models.parallel import TensorParallel, check_divisible
 from neo.ops import OP_NAMES, implementations, select_implementation
 from neo.runner.decode_graphs import DecodeGraphs
 from neo.runner.executor import PipelineExecutor
 from neo.runner.gemm_rows import warm_up as warm_up_gemm_rows
 from neo.runner.host_attention import HostKernels
 from neo.runner.host_batches import HostBatchRunner
+from neo.runner.host_cores import rank_cores
 from neo.runner.host_worker import HostAttentionWorker, default_cpu_attention_threads
 from neo.runner.model_runner import ModelRunner
 from neo.runner.pipeline_graphs import PipelineGraphs
+from neo.runner.rank_plan import PlanChannel
 from neo.runner.profiler import Profiler, ProfileLimits, load_perf_model
 from neo.sched.block_manager import BlockManager
 from neo.sched.calibration import HostTimeCalibration
@@ -83,8 +86,31 @@ def missing_kernel_note(op: str, device: str) -> str:
     return notes[0] if notes else f"no compiled kernel of neo.{op} for {device}"
 
 
-def build(config: EngineConfig) -> EngineParts:
+def rank_device(config: EngineConfig, parallel: TensorParallel) -> torch.device:
+    """The compute device of one rank: ``cuda:r`` for rank r of several on GPUs, else the
+    configured device."""
     device = config.compute_device
+    return torch.device("cuda", parallel.rank) if device.type == "cuda" and parallel.size > 1 else device
+
+
+def host_attention_worker(config: EngineConfig, parallel: TensorParallel) -> HostAttentionWorker:
+    """The host-attention thread of one rank. On one rank it uses ``cpu_attention_threads`` (all
+    cores but one unless set); on several, each rank has its share of the host's cores
+    (``rank_cores``: within one NUMA node, and pinned there, where the host has several) and
+    uses ``cpu_attention_threads`` or all of its share but one (at least one)."""
+    if parallel.size == 1:
+        return HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads())
+    cores, pin = rank_cores(parallel.rank, parallel.size)
+    return HostAttentionWorker(config.cpu_attention_threads or max(1, len(cores) - 1), cores if pin else None)
+
+
+def build(config: EngineConfig, parallel: TensorParallel | None = None,
+          plan_channel: PlanChannel | None = None) -> EngineParts:
+    """The parts of one engine, or of one rank of a tensor-parallel engine: ``parallel`` is the
+    rank's group (None: one rank), ``plan_channel`` the driver's channel to the other ranks
+    (``neo.engine.rank_workers``; None on the other ranks, which only run their runner)."""
+    parallel = parallel or TensorParallel()
+    device = rank_device(config, parallel)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     offloading = config.policy != "gpu-only"
@@ -92,6 +118,7 @@ def build(config: EngineConfig) -> EngineParts:
     placement = make_placement(config.policy, config.host_pipeline, config.placement)
     kernels = host_kernels(config.cpu_attention_kernel)
     model_config = resolve_model_config(config.model)
+    check_divisible(model_config, parallel.size)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
@@ -99,14 +126,15 @@ def build(config: EngineConfig) -> EngineParts:
     check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
                       int(config.cpu_kv_cache_gib * GIB), available_host_bytes())
     model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed,
-                       max_positions=max_model_len)
+                       max_positions=max_model_len, parallel=parallel)
     tokenizer = load_tokenizer(config.model)
     eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids
                               else model.config.eos_token_ids)
 
-    layout = CacheLayout.for_budgets(model.config, dtype, config.block_size,
+    layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
                                      gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
                                      host_bytes=int(config.cpu_kv_cache_gib * GIB))
+    layout = smallest_over_ranks(layout, parallel)  # one block manager addresses every rank's pools
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
                          f"raise gpu_kv_cache_gib or gpu_memory_utilization")
@@ -117,7 +145,7 @@ def build(config: EngineConfig) -> EngineParts:
     kv_cache = KVCache(layout, device)
     block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
 
-    worker = HostAttentionWorker(config.cpu_attention_threads or default_cpu_attention_threads()) if offloading else None
+    worker = host_attention_worker(config, parallel) if offloading else None
     max_blocks_per_sequence = -(-max_model_len // config.block_size)
     pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else device.type == "cuda"
     executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
@@ -128,7 +156,9 @@ def build(config: EngineConfig) -> EngineParts:
     asynchronous = offloading and config.host_pipeline in ("async", "auto")
     lockstep = not offloading or config.host_pipeline in ("lockstep", "auto")
     graph_context = None
-    if device.type == "cuda" and config.use_cuda_graphs:
+    if device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1:
+        logger.warning("CUDA graphs are off: tensor_parallel_size %d runs every iteration eagerly", parallel.size)
+    elif device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
         python_ops = ops_without_native_kernel("cuda")
         if python_ops:
@@ -148,14 +178,15 @@ def build(config: EngineConfig) -> EngineParts:
     if pad_rows and device.type == "cuda":
         warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
-                         pipeline_graphs, host_batches)
+                         pipeline_graphs, host_batches, plan_channel)
 
     perf_model, profiler = PerfModel.zero(), None
     if offloading:  # the profiler, when it runs, measures through the runner built above
         profiler = Profiler(runner, block_manager,
                             ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
                             worker.num_threads, kernels.attention.name, stage_order)
-        perf_model = load_perf_model(config.perf_model, profiler)
+        if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
+            perf_model = load_perf_model(config.perf_model, profiler)
     estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order)
     scheduler = Scheduler(config, block_manager, placement, estimates,
                           finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))

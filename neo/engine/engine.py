@@ -19,6 +19,7 @@ from neo.sched.scheduler_output import SchedulerOutput
 from .build import build
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .parallel_sampling import ParentRequest, child_params, child_request_id
+from .rank_workers import RankWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,26 @@ class LLMEngine:
     host pipelines, ``_step_with_host_batches`` (which also launches and collects host batches;
     under auto a plan is either a lockstep iteration of two sub-batches or a GPU iteration,
     possibly launching a host batch, as the scheduler chose).
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it starts the other ranks
+    (``RankWorkers``), and its runner hands them each plan; a failed rank fails the iteration it
+    broke and every later step raises.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.compute_device
-        parts = build(config)
+        self.rank_workers = RankWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            parts = (build(config) if self.rank_workers is None
+                     else build(config, self.rank_workers.parallel, self.rank_workers.channel))
+        except BaseException as error:
+            if self.rank_workers is not None:
+                rank_error = self.rank_workers.failure(error)
+                self.rank_workers.shutdown()
+                if self.rank_workers.failed_rank is not None:
+                    raise rank_error from error
+            raise
         self.model = parts.model
         self.model_config = parts.model.config
         self.tokenizer = parts.tokenizer
@@ -214,6 +229,8 @@ class LLMEngine:
         """
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self.rank_workers is not None:
+            self.rank_workers.raise_if_failed()
         outputs = self._step_function(on_launched)
         return self._gather_children(outputs) if self._parent_of else outputs
 
@@ -233,6 +250,8 @@ class LLMEngine:
             try:
                 self.runner.launch_host_batch(plan.host_batch)
             except BaseException as error:
+                if self.rank_workers is not None and isinstance(error, Exception):
+                    error = self.rank_workers.failure(error)
                 failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
                 if not isinstance(error, Exception):
                     self._fail(plan.affected_requests, error, "the engine was interrupted")
@@ -278,6 +297,8 @@ class LLMEngine:
         try:
             output = self.runner.execute(plan, on_launched)
         except BaseException as error:
+            if self.rank_workers is not None and isinstance(error, Exception):
+                error = self.rank_workers.failure(error)
             failed += self._fail(plan.affected_requests, error, "its iteration failed")
             if not isinstance(error, Exception):
                 raise
@@ -460,3 +481,5 @@ class LLMEngine:
         if self.worker is not None:
             self.worker.shutdown()
         self.kv_cache.close()
+        if self.rank_workers is not None:
+            self.rank_workers.shutdown()

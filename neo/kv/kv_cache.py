@@ -1,12 +1,14 @@
 """``CacheLayout`` (derived pool sizes) and ``KVCache`` (the cache tensors and their copies)."""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from .host_memory import huge_page_zeros
 from neo.models.config import ModelConfig
+from neo.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,17 @@ class CacheLayout:
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+
+def smallest_over_ranks(layout: CacheLayout, parallel: TensorParallel) -> CacheLayout:
+    """``layout`` with each pool's block count the smallest any rank of ``parallel`` computed
+    (``layout`` itself on one rank): the ranks share one block table per request, so every
+    rank's pools must hold the same blocks."""
+    if parallel.size == 1:
+        return layout
+    counts = torch.tensor([layout.num_gpu_blocks, layout.num_host_blocks], dtype=torch.int64)
+    parallel.all_reduce(counts, op=dist.ReduceOp.MIN)
+    return replace(layout, num_gpu_blocks=int(counts[0]), num_host_blocks=int(counts[1]))
 
 
 def _pin(tensor: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ class PipelineExecutor:
         self.kv_cache = kv_cache
         self.device = device
         self.num_layers = len(model.layers)
-        config = model.config
+        config = model.rank_config  # this rank's heads
         self.scale = model.layers[0].scale  # the host attends with the layers' softmax scale
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if on_cuda else None

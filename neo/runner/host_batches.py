@@ -134,6 +134,16 @@ class HostBatchRunner:
         self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed,
                                     logprobs)
 
+    def follow(self, batch: SubBatch) -> None:
+        """A tensor-parallel rank other than the driver: queue a host batch received from it
+        (``neo.runner.rank_plan``) on the host stream; its logits only join the driver's, which
+        samples, so nothing is kept in flight here."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+            inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
+            self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
+        if not self.asynchronous:  # it ran to completion here
+            self.executor.raise_host_failure()
+
     def ready(self) -> bool:
         """Whether a launched batch has completed (False when none is in flight)."""
         flight = self._in_flight

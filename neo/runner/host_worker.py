@@ -15,20 +15,30 @@ def default_cpu_attention_threads() -> int:
     return max(1, (available or 1) - 1)
 
 
+def _start_thread(num_threads: int, cores: list[int] | None) -> None:
+    """The worker thread's start: pin it to ``cores`` (None: leave it), then size its intra-op
+    pool, whose threads it creates and which so inherit the pinning."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)  # 0: the calling thread
+    torch.set_num_threads(num_threads)
+
+
 class HostAttentionWorker:
     """One worker thread; tasks run in submission order, each may use ``num_threads`` cores.
 
     The ops it calls release the GIL, so the main thread keeps launching GPU work meanwhile.
-    An exception inside a task is re-raised by ``Future.result()`` in the caller.
+    An exception inside a task is re-raised by ``Future.result()`` in the caller. ``cores``:
+    pin the thread and its intra-op threads to these (``neo.runner.host_cores``; None: no
+    pinning).
     """
 
-    def __init__(self, num_threads: int):
+    def __init__(self, num_threads: int, cores: list[int] | None = None):
         self.num_threads = num_threads
+        self.cores = cores
         self._busy_seconds = 0.0
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neo-cpu-attention",
-                                            initializer=torch.set_num_threads,
-                                            initargs=(num_threads,))
+                                            initializer=_start_thread, initargs=(num_threads, cores))
 
     def submit(self, task) -> Future:
         return self._executor.submit(self._timed, task)

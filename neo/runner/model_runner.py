@@ -19,6 +19,7 @@ from .executor import PipelineExecutor
 from .host_batches import HostBatchRunner
 from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
+from .rank_plan import PlanChannel, planned, planned_sub_batch
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
@@ -30,13 +31,20 @@ def block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
 
 class ModelRunner:
     """Builds each sub-batch's inputs, runs the executor (or replays a graph), samples one token
-    per request."""
+    per request.
+
+    Under tensor parallelism every rank has one, over its shard of the model and its KV pools:
+    the driver's (rank 0) sends each plan through ``plan_channel`` before executing it and
+    samples; the others execute the plans they receive with ``follow`` (``rank_plan.py``)."""
 
     def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
                  stage_orders: dict[int, StageOrder], decode_graphs: DecodeGraphs | None = None,
-                 pipeline_graphs: PipelineGraphs | None = None, host_batches: HostBatchRunner | None = None):
+                 pipeline_graphs: PipelineGraphs | None = None, host_batches: HostBatchRunner | None = None,
+                 plan_channel: PlanChannel | None = None):
         """``stage_orders``: the order of a plan of that many sub-batches that names none.
-        ``host_batches``: runs the host batches of the async host pipeline (None: lockstep)."""
+        ``host_batches``: runs the host batches of the async host pipeline (None: lockstep).
+        ``plan_channel``: on the driver of several ranks, where each plan goes first (None: one
+        rank, or a rank that follows)."""
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
@@ -45,6 +53,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.pipeline_graphs = pipeline_graphs
         self.host_batches = host_batches
+        self.plan_channel = plan_channel
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
         # Both kinds of graphs are captured for the same context (``EngineConfig.cuda_graph_max_context``).
@@ -60,14 +69,48 @@ class ModelRunner:
         log-probabilities get them recorded). ``on_launched`` is called once the
         device work (sampling included) is queued, before waiting for the tokens."""
         began = time.perf_counter()
+        if self.plan_channel is not None:
+            self.plan_channel.send(("execute", planned(plan)))
+        logits, requests, decode_graph, replayed = self._forward(plan)
+        if logits is None:
+            if on_launched is not None:
+                on_launched()
+            return IterationOutput([], time.perf_counter() - began, 0.0, time.perf_counter() - began)
+        sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
+                               [r.generator for r in requests])
+        logprobs = TokenLogprobs.compute(logits, sampled, requests)
+        queue_seconds = time.perf_counter() - began
+        if on_launched is not None:
+            on_launched()
+        tokens = sampled.tolist()  # waits for the device
+        self.executor.raise_host_failure()
+        if logprobs is not None:
+            logprobs.record(requests)
+        # A decode graph replays no executor work: no host time, no GPU busy time measured.
+        return IterationOutput(tokens, time.perf_counter() - began,
+                               0.0 if decode_graph else self.executor.host_busy_seconds(), queue_seconds,
+                               None if decode_graph else self.executor.gpu_busy_seconds(), replayed)
+
+    @torch.inference_mode()
+    def follow(self, plan: SchedulerOutput) -> None:
+        """A rank other than the driver: execute a plan received from it (``rank_plan.planned``)
+        over this rank's shard, its logits only joining the driver's (the driver samples)."""
+        logits, _, _, _ = self._forward(plan)
+        if logits is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.executor.raise_host_failure()
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list, bool, bool]:
+        """The plan's swaps and sub-batches up to the logits: ``(logits [requests, vocab] float32,
+        the requests in logit-row order, whether a decode graph replayed, whether any graph
+        replayed)``; logits None when the plan has no sub-batch (its swaps are done)."""
         sub_batches = [batch for batch in plan.sub_batches if batch]
         swaps = plan.has_swaps
         if not sub_batches:
             if swaps:
                 self.swap(plan)
-            if on_launched is not None:
-                on_launched()
-            return IterationOutput([], time.perf_counter() - began, 0.0, time.perf_counter() - began)
+            return None, [], False, False
         batches = [build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
                    for batch in sub_batches]
         requests = [request for inputs in batches for request in inputs.requests]
@@ -85,26 +128,20 @@ class ModelRunner:
         replayed = logits is not None
         if logits is None:
             logits = self.executor.run(batches, order, block_pairs(plan.swap_out), block_pairs(plan.swap_in))
-        sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
-                               [r.generator for r in requests])
-        logprobs = TokenLogprobs.compute(logits, sampled, requests)
-        queue_seconds = time.perf_counter() - began
-        if on_launched is not None:
-            on_launched()
-        tokens = sampled.tolist()  # waits for the device
-        self.executor.raise_host_failure()
-        if logprobs is not None:
-            logprobs.record(requests)
-        # A decode graph replays no executor work: no host time, no GPU busy time measured.
-        return IterationOutput(tokens, time.perf_counter() - began,
-                               0.0 if decode_graph else self.executor.host_busy_seconds(), queue_seconds,
-                               None if decode_graph else self.executor.gpu_busy_seconds(), replayed)
+        return logits, requests, decode_graph, replayed
 
     def launch_host_batch(self, batch: SubBatch) -> None:
         """Launch a host batch on its own stream (async host pipeline)."""
         if self.host_batches is None:
             raise RuntimeError("this engine runs no host batches (host_pipeline is not 'async')")
+        if self.plan_channel is not None:
+            self.plan_channel.send(("launch", planned_sub_batch(batch)))
         self.host_batches.launch(batch)
+
+    def follow_host_batch(self, batch: SubBatch) -> None:
+        """A rank other than the driver: run a host batch received from it over this rank's
+        shard (async host pipeline)."""
+        self.host_batches.follow(batch)
 
     @property
     def host_batch_in_flight(self) -> bool:

@@ -18,7 +18,8 @@ layer on its own cache, with block tables laid out as the block manager hands ou
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
-The table is keyed by model shape, dtype, device, block size, host threads, the CPU attention
+The table is keyed by model shape (and tensor-parallel rank count), dtype, device, block size,
+host threads, the CPU attention
 kernel, the two-sub-batch stage order and the compiled kernels' builds (a digest of each
 extension file: rebuilt kernels are profiled again), and cached under ``$NEO_CACHE_DIR``
 (default ``~/.cache/neo``) so the engine profiles once per machine (and again for an engine
@@ -141,14 +142,18 @@ class Profiler:
         self.repeats = repeats
         self.model = runner.model
         self.model_config: ModelConfig = runner.model.config
+        self.rank_config: ModelConfig = runner.model.rank_config  # the heads this rank attends over
         self.layout = runner.kv_cache.layout
         self.device = runner.device
         self.rng = random.Random(0)
 
     def key(self) -> dict:
-        """What the table is measured on: a cached table serves only an engine of the same key."""
+        """What the table is measured on: a cached table serves only an engine of the same key.
+        An engine of several tensor-parallel ranks adds their number (its stages run one rank's
+        shapes and the collectives)."""
         model = self.model_config
-        return {
+        size = self.model.parallel.size
+        return ({"tensor_parallel_size": size} if size > 1 else {}) | {
             "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
                             model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
             "dtype": str(self.layout.dtype).removeprefix("torch."),
@@ -200,6 +205,21 @@ class Profiler:
                 for name in points if wanted[name] > reached[name]]
 
     def run(self) -> PerfTable:
+        """Measure every stage-time point. On the driver of several tensor-parallel ranks the
+        others are told to run their own profilers now: every rank measures the same points in
+        the same order, meeting in the model's collectives, while the driver's runner sends no
+        plans."""
+        channel = self.runner.plan_channel
+        if channel is None:
+            return self._measure()
+        channel.send(("profile", None))
+        self.runner.plan_channel = None
+        try:
+            return self._measure()
+        finally:
+            self.runner.plan_channel = channel
+
+    def _measure(self) -> PerfTable:
         table = PerfTable(key=self.key(), pre_fraction=pre_fraction(self.model_config))
         points = self._points()
         token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
@@ -317,7 +337,7 @@ class Profiler:
         k_cache, v_cache = self.runner.kv_cache.gpu_layers[0]
         table = self._block_table(lengths, k_cache.shape[0]).to(self.device)
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        config = self.model_config
+        config = self.rank_config
         query = torch.randn(num_sequences, config.num_heads, config.head_dim, dtype=self.layout.dtype, device=self.device)
         output = torch.empty_like(query)
         layers = config.num_layers
@@ -332,7 +352,7 @@ class Profiler:
 
     @torch.inference_mode()
     def _prefill_attention(self, length: int) -> float:
-        config = self.model_config
+        config = self.rank_config
         shape = (length, config.num_heads, config.head_dim)
         query = torch.randn(shape, dtype=self.layout.dtype, device=self.device)
         key = torch.randn(length, config.num_kv_heads, config.head_dim, dtype=self.layout.dtype, device=self.device)

@@ -1,0 +1,149 @@
+"""The engine on 2 tensor-parallel ranks (``neo.engine.rank_workers``), on the CPU with gloo.
+
+Greedy tokens of ``LLM(..., tensor_parallel_size=2)`` must equal the one-rank engine's for
+prompts of different lengths with a compute pool so small that requests are preempted
+(gpu-only) or decode on the host (neo under both host pipelines; full-offload); both engines'
+pools hold the same number of blocks, so they run the same schedule. An engine that profiles
+its stage times does so on both ranks in lockstep, under a key that names the rank count. A worker rank
+that fails (interrupted: it reports a ``KeyboardInterrupt``; killed: it reports nothing) must
+surface as an error in the caller with the other ranks stopped; closing the engine, or the
+driver's process ending without closing it, must leave no worker process behind.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
+from neo import LLM, SamplingParams
+
+NEW_TOKENS = 24
+GPU_BLOCKS = 12
+HOST_BLOCKS = 256
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SUBPROCESS_TIMEOUT_SECONDS = 120
+
+
+def engine_options(size: int, policy: str = "gpu-only", **options) -> dict:
+    """Settings of a neo-tiny engine on the CPU whose pools hold ``GPU_BLOCKS`` and
+    ``HOST_BLOCKS`` blocks on every rank (a rank's block holds 1 / size of the KV heads)."""
+    block_bytes = BLOCK_BYTES // size
+    return dict(device="cpu", policy=policy, tensor_parallel_size=size, perf_model="zero", max_num_seqs=8,
+                gpu_kv_cache_gib=gib_for_blocks(GPU_BLOCKS, block_bytes),
+                cpu_kv_cache_gib=gib_for_blocks(HOST_BLOCKS, block_bytes), **options)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, PARAMS)]
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie, ended but not reaped, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as status:
+            return status.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens():
+    llm = LLM("neo-tiny", **engine_options(1))
+    try:
+        tokens = greedy_tokens(llm)
+        assert llm.engine.metrics.preemptions > 0, "the pool is meant to be small enough to preempt"
+    finally:
+        llm.close()
+    return tokens
+
+
+OFFLOADING = [("neo", "lockstep"), ("neo", "async"), ("full-offload", "async")]
+
+
+@pytest.mark.parametrize("policy, host_pipeline", OFFLOADING, ids=[f"{policy}-{pipeline}" for policy, pipeline in OFFLOADING])
+def test_two_ranks_give_the_greedy_tokens_of_one_when_offloading(one_rank_tokens, policy, host_pipeline):
+    llm = LLM("neo-tiny", **engine_options(2, policy, host_pipeline=host_pipeline))
+    workers = [process.pid for process in llm.engine.rank_workers.processes]
+    try:
+        assert greedy_tokens(llm) == one_rank_tokens
+        assert llm.engine.metrics.host_decode_tokens > 0
+        assert llm.engine.worker.num_threads == max(1, len(os.sched_getaffinity(0)) // 2 - 1)
+    finally:
+        llm.close()
+    assert not [pid for pid in workers if process_exists(pid)]
+
+
+def test_two_ranks_profile_in_lockstep_under_their_own_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    small = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.01, max_num_batched_tokens=64, max_num_seqs=8,
+                 max_model_len=256)
+    llm = LLM("neo-tiny", device="cpu", policy="neo", perf_model="auto", tensor_parallel_size=2, **small)
+    try:
+        key = llm.engine.scheduler.estimates.perf_model.table.key
+        assert key["tensor_parallel_size"] == 2
+        assert len(llm.generate(PROMPTS[:2], PARAMS)) == 2
+    finally:
+        llm.close()
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # the driver alone saves the table
+
+
+def test_two_ranks_give_the_greedy_tokens_of_one_under_gpu_only(one_rank_tokens):
+    llm = LLM("neo-tiny", **engine_options(2))
+    workers = [process.pid for process in llm.engine.rank_workers.processes]
+    try:
+        assert llm.engine.layout.num_gpu_blocks == GPU_BLOCKS
+        assert greedy_tokens(llm) == one_rank_tokens
+        assert llm.engine.metrics.preemptions > 0
+    finally:
+        llm.close()
+    assert not [pid for pid in workers if process_exists(pid)]
+
+
+@pytest.mark.parametrize("signal_number, reported", [
+    (signal.SIGINT, "tensor-parallel rank 1 failed: KeyboardInterrupt"),
+    (signal.SIGKILL, "the tensor-parallel ranks stopped working together: neo-rank-1 ended")],
+    ids=["interrupted", "killed"])
+def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported):
+    llm = LLM("neo-tiny", **engine_options(2))
+    worker = llm.engine.rank_workers.processes[0]
+    try:
+        assert len(greedy_tokens(llm)) == len(PROMPTS)
+        os.kill(worker.pid, signal_number)
+        with pytest.raises(RuntimeError, match=reported):
+            greedy_tokens(llm)
+        with pytest.raises(RuntimeError, match=reported):  # every later call too
+            llm.generate(PROMPTS[:1], PARAMS)
+        assert not process_exists(worker.pid)
+    finally:
+        llm.close()
+
+
+def test_a_driver_that_exits_without_closing_leaves_no_worker(tmp_path):
+    script = textwrap.dedent(f"""
+        from neo import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            llm = LLM("neo-tiny", **{engine_options(2)!r})
+            llm.generate([[257, 72, 101]], SamplingParams(max_tokens=4, temperature=0.0))
+            print(*[process.pid for process in llm.engine.rank_workers.processes])
+        """)
+    path = tmp_path / "driver.py"
+    path.write_text(script)
+    finished = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                              timeout=SUBPROCESS_TIMEOUT_SECONDS, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr
+    workers = [int(pid) for pid in finished.stdout.split()]
+    assert len(workers) == 1
+    assert not [pid for pid in workers if process_exists(pid)]
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide num_key_value_heads 2 of "
+                                         "neo-tiny .*; sizes that work: 1, 2$"):
+        LLM("neo-tiny", **engine_options(4))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        LLM("neo-tiny", device="cpu", tensor_parallel_size=0)
