@@ -466,12 +466,12 @@ def test_latencies_follow_a_request_through_its_times():
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--port", "0"], "port must be in 1..65535, got 0"),
-    (["--port", "70000"], "port must be in 1..65535, got 70000"),
-    (["--port", "http"], "port must be an integer"),
-    (["--body-read-timeout", "0"], "seconds must be > 0"),
-    (["--keep-alive-timeout", "nan"], "seconds must be > 0"),
-    (["--max-request-body-bytes", "0"], "the body limit must be >= 1 byte"),
+    (["--port", "0"], "argument --port: must be an integer from 1 to 65535, got 0"),
+    (["--port", "70000"], "argument --port: must be an integer from 1 to 65535, got 70000"),
+    (["--port", "http"], "argument --port: expected an integer, got 'http'"),
+    (["--body-read-timeout", "0"], "argument --body-read-timeout: must be > 0, got 0"),
+    (["--keep-alive-timeout", "nan"], "argument --keep-alive-timeout: must be a finite number"),
+    (["--max-request-body-bytes", "0"], "argument --max-request-body-bytes: must be an integer >= 1, got 0"),
     (["--served-model-name", " "], "expected a non-empty printable name"),
 ])
 def test_serve_flags_are_checked_by_the_parser(arguments, message, capsys):

@@ -22,6 +22,15 @@ def gpu_kv_cache_bytes(config: EngineConfig, model, device: torch.device, max_mo
     activation_bytes = _activation_peak_bytes(model, config, device, max_model_len)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
+    return device_pool_bytes(config, free, total, activation_bytes)
+
+
+def device_pool_bytes(config: EngineConfig, free: float, total: float, activation_bytes: float) -> int:
+    """The device KV pool's bytes from the device's ``free`` bytes after the weights, its
+    ``total`` and the activation peak: ``gpu_kv_cache_gib`` when set (a ``ValueError`` when it
+    does not fit beside the activations), else what ``gpu_memory_utilization`` of the device
+    leaves (a ``ValueError`` when nothing is left). The engine and the simulator both size
+    the pool here."""
     usable = int(free - (1 - config.gpu_memory_utilization) * total - activation_bytes)
     if config.gpu_kv_cache_gib is not None:
         wanted = int(config.gpu_kv_cache_gib * GIB)

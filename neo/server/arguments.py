@@ -6,42 +6,13 @@ error (exit status 2) before the model loads.
 """
 
 import argparse
-import math
 import os
+
+from neo import cli_values
 
 from .settings import ServerSettings
 
 API_KEY_ENVIRONMENT_VARIABLE = "NEO_API_KEY"
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"seconds must be > 0 and finite, got {text}")
-    return value
-
-
-def _body_bytes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"the body limit must be >= 1 byte, got {value}")
-    return value
 
 
 def _non_empty(text: str) -> str:
@@ -63,7 +34,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=defaults.host,
                        help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
-    group.add_argument("--port", type=_port, default=defaults.port,
+    group.add_argument("--port", type=cli_values.integer_at_least(1, 65535), default=defaults.port,
                        help="TCP port to listen on, 1..65535 (default: %(default)s)")
     group.add_argument("--served-model-name", type=_non_empty, default=None,
                        help="the model id clients see in /v1/models and send as 'model' "
@@ -73,15 +44,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="require 'Authorization: Bearer <key>' on every route but /health "
                             f"and /metrics (default: the {API_KEY_ENVIRONMENT_VARIABLE} "
                             "environment variable, else no key)")
-    group.add_argument("--max-request-body-bytes", type=_body_bytes,
+    group.add_argument("--max-request-body-bytes", type=cli_values.integer_at_least(1),
                        default=defaults.max_request_body_bytes,
                        help="refuse larger request bodies with 413 (default: 32 bytes per token "
                             "of the model's context, at least 1 MiB)")
-    group.add_argument("--body-read-timeout", type=_positive_seconds,
+    group.add_argument("--body-read-timeout", type=cli_values.positive_number,
                        default=defaults.body_read_timeout_seconds,
                        help="seconds a request body may take to arrive before 408 "
                             "(default: %(default)s)")
-    group.add_argument("--keep-alive-timeout", type=_positive_seconds,
+    group.add_argument("--keep-alive-timeout", type=cli_values.positive_number,
                        default=defaults.keep_alive_timeout_seconds,
                        help="seconds an idle keep-alive connection stays open "
                             "(default: %(default)s)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from neo.config import EngineConfig
+from neo.kv.budget import device_pool_bytes
 from neo.kv.kv_cache import GIB, CacheLayout
 from neo.models.config import ModelConfig
 from neo.runner.decode_graphs import graph_block_width
@@ -59,18 +60,10 @@ def cache_layout(config: EngineConfig, model: ModelConfig, hardware: Hardware) -
         raise ValueError(f"the weights of {model.name or 'the model'} ({weights / GIB:.1f} GiB in {hardware.dtype}) do "
                          f"not fit gpu_memory_gib={hardware.gpu_memory_gib} of hardware {hardware.name!r}")
     activations = activation_peak_bytes(model, config, element_bytes)
-    if config.gpu_kv_cache_gib is not None:
-        gpu_bytes = int(config.gpu_kv_cache_gib * GIB)
-        if gpu_bytes > free - activations:
-            raise ValueError(f"gpu_kv_cache_gib={config.gpu_kv_cache_gib} does not fit hardware {hardware.name!r}: "
-                             f"{free / GIB:.1f} GiB are free after the weights and "
-                             f"{activations / GIB:.1f} GiB are needed for activations")
-    else:
-        gpu_bytes = int(free - (1 - config.gpu_memory_utilization) * total - activations)
-        if gpu_bytes <= 0:
-            raise ValueError(f"no device memory is left for the KV cache on hardware {hardware.name!r}: "
-                             f"{free / GIB:.1f} GiB free after the weights, activations need "
-                             f"{activations / GIB:.1f} GiB")
+    try:
+        gpu_bytes = device_pool_bytes(config, free, total, activations)
+    except ValueError as error:
+        raise ValueError(f"{error} (hardware {hardware.name!r})") from None
     if config.policy != "gpu-only" and config.cpu_kv_cache_gib > hardware.host_memory_gib:
         raise ValueError(f"cpu_kv_cache_gib={config.cpu_kv_cache_gib} exceeds host_memory_gib="
                          f"{hardware.host_memory_gib} of hardware {hardware.name!r}")
