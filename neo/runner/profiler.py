@@ -180,7 +180,10 @@ class Profiler:
             "batched tokens": _geometric(1, max_tokens),
             "GPU context": _geometric(256, max(256, min(gpu_capacity, 1 << 20)), 4.0) if gpu_capacity >= 256 else [],
             "prompt length": _geometric(16, min(max_tokens, self.limits.max_model_len - 1), 2.0),
-            "host requests": [r for r in (1, 8, 32, 128, 512) if r <= self.limits.max_num_seqs] or [1],
+            # Up to max_num_seqs itself, the most a host batch or sub-batch holds: the table
+            # extrapolates past its last row.
+            "host requests": [r for r in (1, 8, 32, 128, 512) if r < self.limits.max_num_seqs]
+                             + [self.limits.max_num_seqs],
             "host context": _geometric(256, max(256, min(host_capacity, 1 << 21)), 4.0) if host_capacity >= 256 else [],
             "graph batch": self._graph_decode_points(),
         }
