@@ -20,6 +20,7 @@ import pytest
 
 from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
 from neo import LLM, SamplingParams
+from neo.sched.scheduler_output import SubBatch
 
 NEW_TOKENS = 24
 GPU_BLOCKS = 12
@@ -28,17 +29,48 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SUBPROCESS_TIMEOUT_SECONDS = 120
 
 
-def engine_options(size: int, policy: str = "gpu-only", **options) -> dict:
-    """Settings of a neo-tiny engine on the CPU whose pools hold ``GPU_BLOCKS`` and
+def engine_options(size: int, policy: str = "gpu-only", gpu_blocks: int = GPU_BLOCKS, **options) -> dict:
+    """Settings of a neo-tiny engine on the CPU whose pools hold ``gpu_blocks`` and
     ``HOST_BLOCKS`` blocks on every rank (a rank's block holds 1 / size of the KV heads)."""
     block_bytes = BLOCK_BYTES // size
     return dict(device="cpu", policy=policy, tensor_parallel_size=size, perf_model="zero", max_num_seqs=8,
-                gpu_kv_cache_gib=gib_for_blocks(GPU_BLOCKS, block_bytes),
+                gpu_kv_cache_gib=gib_for_blocks(gpu_blocks, block_bytes),
                 cpu_kv_cache_gib=gib_for_blocks(HOST_BLOCKS, block_bytes), **options)
 
 
 def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, PARAMS)]
+
+
+def record_plans(llm: LLM) -> list[tuple]:
+    """The "execute" and "launch" messages the driver sends from now on, each as
+    ``(kind, planned requests)``: the requests in the order the message carries them, with
+    their block tables as sent (whole, or the blocks from ``table_start`` on)."""
+    channel = llm.engine.runner.plan_channel
+    send = channel.send
+    recorded = []
+
+    def record_and_send(message) -> None:
+        if message is not None and message[0] in ("execute", "launch"):
+            kind, payload = message[0], message[1]
+            batches = [payload] if kind == "launch" else payload.sub_batches + [payload.host_batch or SubBatch()]
+            recorded.append((kind, [request for batch in batches for request in batch.requests]))
+        send(message)
+
+    channel.send = record_and_send
+    return recorded
+
+
+def resent_whole(recorded: list[tuple]) -> set[str]:
+    """The ids of the requests whose table a message sent whole after an earlier one had
+    carried the request."""
+    carried, resent = set(), set()
+    for _, requests in recorded:
+        for request in requests:
+            if request.table_start == 0 and request.request_id in carried:
+                resent.add(request.request_id)
+            carried.add(request.request_id)
+    return resent
 
 
 def process_exists(pid: int) -> bool:
@@ -68,13 +100,38 @@ OFFLOADING = [("neo", "lockstep"), ("neo", "async"), ("full-offload", "async")]
 def test_two_ranks_give_the_greedy_tokens_of_one_when_offloading(one_rank_tokens, policy, host_pipeline):
     llm = LLM("neo-tiny", **engine_options(2, policy, host_pipeline=host_pipeline))
     workers = [process.pid for process in llm.engine.rank_workers.processes]
+    recorded = record_plans(llm)
     try:
         assert greedy_tokens(llm) == one_rank_tokens
         assert llm.engine.metrics.host_decode_tokens > 0
+        # A request swapped out (or preempted) has a new table: it is sent whole again.
+        moved = llm.engine.metrics.blocks_swapped_out + llm.engine.metrics.preemptions
+        assert bool(resent_whole(recorded)) == (moved > 0)
         assert llm.engine.worker.num_threads == max(1, len(os.sched_getaffinity(0)) // 2 - 1)
     finally:
         llm.close()
     assert not [pid for pid in workers if process_exists(pid)]
+
+
+def test_a_steady_decode_sends_each_table_whole_once_then_appended_blocks_only():
+    llm = LLM("neo-tiny", **engine_options(2, gpu_blocks=HOST_BLOCKS))
+    recorded = record_plans(llm)
+    try:
+        outputs = llm.generate(PROMPTS, PARAMS)
+        assert [len(output.outputs[0].token_ids) for output in outputs] == [NEW_TOKENS] * len(PROMPTS)
+        assert llm.engine.metrics.preemptions == 0
+    finally:
+        llm.close()
+    carried = set()
+    for kind, requests in recorded:
+        assert kind == "execute"
+        for request in requests:
+            if request.request_id not in carried:
+                assert request.table_start == 0 and request.block_table, request
+                carried.add(request.request_id)
+            else:  # a decode: at most the one block its new token may have needed
+                assert request.table_start > 0 and len(request.block_table) <= 1, request
+    assert len(carried) == len(PROMPTS) and len(recorded) >= NEW_TOKENS
 
 
 def test_two_ranks_profile_in_lockstep_under_their_own_key(tmp_path, monkeypatch):
@@ -94,10 +151,12 @@ def test_two_ranks_profile_in_lockstep_under_their_own_key(tmp_path, monkeypatch
 def test_two_ranks_give_the_greedy_tokens_of_one_under_gpu_only(one_rank_tokens):
     llm = LLM("neo-tiny", **engine_options(2))
     workers = [process.pid for process in llm.engine.rank_workers.processes]
+    recorded = record_plans(llm)
     try:
         assert llm.engine.layout.num_gpu_blocks == GPU_BLOCKS
         assert greedy_tokens(llm) == one_rank_tokens
         assert llm.engine.metrics.preemptions > 0
+        assert resent_whole(recorded), "a preempted request is prefilled again into a new table"
     finally:
         llm.close()
     assert not [pid for pid in workers if process_exists(pid)]

@@ -19,7 +19,7 @@ from .executor import PipelineExecutor
 from .host_batches import HostBatchRunner
 from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
-from .rank_plan import PlanChannel, planned, planned_sub_batch
+from .rank_plan import PlanChannel
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
@@ -70,7 +70,7 @@ class ModelRunner:
         device work (sampling included) is queued, before waiting for the tokens."""
         began = time.perf_counter()
         if self.plan_channel is not None:
-            self.plan_channel.send(("execute", planned(plan)))
+            self.plan_channel.send_plan(plan)
         logits, requests, decode_graph, replayed = self._forward(plan)
         if logits is None:
             if on_launched is not None:
@@ -93,8 +93,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, plan: SchedulerOutput) -> None:
-        """A rank other than the driver: execute a plan received from it (``rank_plan.planned``)
-        over this rank's shard, its logits only joining the driver's (the driver samples)."""
+        """A rank other than the driver: execute a plan received from it (``rank_plan.planned``,
+        whole block tables restored by ``PlanChannel.receive``) over this rank's shard, its
+        logits only joining the driver's (the driver samples)."""
         logits, _, _, _ = self._forward(plan)
         if logits is not None:
             if self.device.type == "cuda":
@@ -135,7 +136,7 @@ class ModelRunner:
         if self.host_batches is None:
             raise RuntimeError("this engine runs no host batches (host_pipeline is not 'async')")
         if self.plan_channel is not None:
-            self.plan_channel.send(("launch", planned_sub_batch(batch)))
+            self.plan_channel.send_host_batch(batch)
         self.host_batches.launch(batch)
 
     def follow_host_batch(self, batch: SubBatch) -> None:
