@@ -1,7 +1,7 @@
 """What the driver rank sends the other tensor-parallel ranks each iteration, and the channel.
 
 The scheduler runs once, on rank 0 (the driver). Before its runner executes a plan, it
-broadcasts a ``RankPlan``: per sub-batch, a ``PlannedRequest`` per request with exactly what
+broadcasts the plan: per sub-batch, a ``PlannedRequest`` per request with exactly what
 ``build_batch_inputs`` reads (token ids, block table, KV location), plus the swaps and the stage
 order. Every rank's runner then builds the same inputs, walks the same stage order over its own
 shard and KV heads, and meets the others in the model's collectives in the same order. Block
