@@ -116,19 +116,17 @@ def planned_sub_batch(batch: SubBatch, tables: SentTables) -> SubBatch:
 
 def planned(plan: SchedulerOutput, tables: SentTables) -> SchedulerOutput:
     """The parts of ``plan`` the other ranks execute: sub-batches of ``PlannedRequest``s, the
-    host batch likewise, the swaps and the stage order (no estimates, no finished requests)."""
+    swaps and the stage order (no estimates, no finished requests; the plan's host batch went
+    to them already, in the "launch" message sent before the iteration runs)."""
     return SchedulerOutput(sub_batches=[planned_sub_batch(batch, tables) for batch in plan.sub_batches],
                            stage_order=plan.stage_order,
-                           host_batch=None if plan.host_batch is None else planned_sub_batch(plan.host_batch, tables),
                            swap_out=list(plan.swap_out), swap_in=list(plan.swap_in))
 
 
 def _sub_batches(kind: str, payload) -> list[SubBatch]:
     """The sub-batches of a received "execute" or "launch" payload, in the order the driver
     planned their requests."""
-    if kind == "launch":
-        return [payload]
-    return payload.sub_batches + ([] if payload.host_batch is None else [payload.host_batch])
+    return [payload] if kind == "launch" else payload.sub_batches
 
 
 class PlanChannel:
