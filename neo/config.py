@@ -55,6 +55,12 @@ class EngineConfig:
         (``neo.sched.stage_order``: "asymmetric" or "asymmetric-early-host").
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
         ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
+    async_scheduling: plan and launch each iteration before the previous one's sampled tokens
+        reach the host: its input ids are taken on the device from the previous iteration's
+        samples, and the previous tokens are read, checked against the stop conditions and
+        returned while the device runs the new iteration (``LLMEngine``). A request that stops
+        has one more token computed, which is dropped. Policy gpu-only with one rank only; None:
+        on for gpu-only with one rank on CUDA (on the CPU nothing runs beside the host's work).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.
@@ -83,6 +89,7 @@ class EngineConfig:
     placement: str | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -124,6 +131,11 @@ class EngineConfig:
             if not 1 <= self.cpu_attention_threads <= cores:
                 raise ValueError(f"cpu_attention_threads must be from 1 to this machine's {cores} "
                                  f"logical cores, got {self.cpu_attention_threads}")
+        if self.async_scheduling and self.policy != "gpu-only":
+            raise ValueError(f"async_scheduling=True needs policy 'gpu-only', got policy {self.policy!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True needs tensor_parallel_size 1, got "
+                             f"{self.tensor_parallel_size}")
         if self.device is not None:
             device = torch.device(self.device)
             if device.type not in ("cpu", "cuda"):
@@ -144,6 +156,13 @@ class EngineConfig:
                 raise ValueError(f"{setting.name} must be {names}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{setting.name} must be a finite number, got {value!r}")
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether the engine runs with ``async_scheduling`` (its default resolved)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.policy == "gpu-only" and self.tensor_parallel_size == 1 and self.compute_device.type == "cuda"
 
     @property
     def compute_device(self) -> torch.device:

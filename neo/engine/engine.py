@@ -13,6 +13,7 @@ from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from neo.request import Request, RequestStatus
 from neo.sampling_params import SamplingParams
 from neo.sched.placement.host_batches import InFlightHostBatch
+from neo.runner.model_runner import LaunchedIteration
 from neo.sched.runner_output import HostBatchOutput, IterationOutput
 from neo.sched.scheduler_output import SchedulerOutput
 
@@ -28,6 +29,18 @@ logger = logging.getLogger(__name__)
 HOST_BATCH_WAIT_SECONDS = 0.02
 
 
+@dataclasses.dataclass
+class _IterationInFlight:
+    """Async scheduling: a launched iteration whose tokens are read in the next step; ``start``
+    and ``schedule_seconds`` as ``LLMEngine._schedule`` gave them for its plan."""
+
+    plan: SchedulerOutput
+    launched: LaunchedIteration
+    start: float
+    schedule_seconds: float
+    segments_freed: int | None
+
+
 class LLMEngine:
     """The serving engine. Not thread-safe: one thread owns it (see ``neo.server``).
 
@@ -35,7 +48,8 @@ class LLMEngine:
     function among them: ``_step`` (schedule -> execute -> update) or, under the async and auto
     host pipelines, ``_step_with_host_batches`` (which also launches and collects host batches;
     under auto a plan is either a lockstep iteration of two sub-batches or a GPU iteration,
-    possibly launching a host batch, as the scheduler chose).
+    possibly launching a host batch, as the scheduler chose), or, with async scheduling,
+    ``_step_ahead`` (schedule -> launch -> update with the previous iteration's tokens).
 
     With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it starts the other ranks
     (``RankWorkers``), and its runner hands them each plan; a failed rank fails the iteration it
@@ -69,7 +83,9 @@ class LLMEngine:
         self.profiler = parts.profiler
         self.scheduler = parts.scheduler
         self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
-        self._step_function = self._step_with_host_batches if parts.asynchronous else self._step
+        self._step_function = (self._step_with_host_batches if parts.asynchronous
+                               else self._step_ahead if config.schedules_ahead else self._step)
+        self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
         self._requests: dict[str, Request] = {}
@@ -275,6 +291,84 @@ class LLMEngine:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded, failed)
 
+    def _step_ahead(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
+        """Async scheduling: plan and launch iteration k+1 before reading iteration k's tokens.
+
+        While the device runs iteration k the engine plans k+1 (each request of k counts one
+        unresolved token: ``Scheduler.advance``) and queues it, its requests' input ids taken on
+        the device from k's samples; only then does it wait for k's tokens (copied to the host
+        behind k's sampling), apply the stop conditions to them (``Scheduler.update``) and return
+        them. So the host's bookkeeping, planning and input building of one iteration overlap
+        the device's previous one, and each step returns the tokens of the iteration before. A
+        request that stopped at k has its token of k+1 dropped and its blocks freed.
+
+        It falls back to ``_step``'s order (the tokens of k read before k+1 is planned) where
+        planning needs them: when a request might be evicted for room (``can_plan_ahead``). A
+        plan that uses the tokens on the host when it launches (penalties, log-probabilities;
+        ``_plans_ahead``) or has no sub-batch runs after k's tokens are read, and is read at once.
+        """
+        failed: list[Request] = []
+        decoded: list[Request] = []
+        if self._in_flight is not None and not self.scheduler.can_plan_ahead():
+            decoded += self._settle(failed)
+        plan, start, schedule_seconds, segments_freed = self._schedule()
+        if not self._plans_ahead(plan):
+            if self._in_flight is not None:
+                decoded += self._settle(failed)
+            output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed, failed)
+            decoded += self.scheduler.update(plan, output)
+            if output is not None:
+                self.metrics.busy_seconds += time.perf_counter() - start
+            return self._outputs(plan, decoded, failed)
+        launched = self._launch(plan, on_launched, failed)
+        if self._in_flight is not None:
+            decoded += self._settle(failed)
+        outputs = self._outputs(plan, decoded, failed)  # snapshots before the plan's tokens are counted
+        if launched is not None:
+            self.scheduler.advance(plan)
+            self._in_flight = _IterationInFlight(plan, launched, start, schedule_seconds, segments_freed)
+        self.metrics.busy_seconds += time.perf_counter() - start
+        return outputs
+
+    @staticmethod
+    def _plans_ahead(plan: SchedulerOutput) -> bool:
+        """Whether the next plan may be made before this one's tokens are read: it has device
+        work, and no request that needs its tokens on the host when the next one launches
+        (penalties count them; log-probabilities are recorded with them)."""
+        return any(plan.sub_batches) and all(
+            not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
+            for request in plan.requests)
+
+    def _launch(self, plan: SchedulerOutput, on_launched, failed: list[Request]) -> LaunchedIteration | None:
+        """Queue the plan's work, its unresolved tokens taken from the iteration in flight (None
+        when it failed: its requests are then ended and added to ``failed``)."""
+        previous = None if self._in_flight is None else self._in_flight.launched.previous_tokens()
+        try:
+            return self.runner.launch(plan, on_launched, previous, read_later=True)
+        except BaseException as error:
+            failed += self._fail(plan.affected_requests, error, "its iteration failed")
+            if not isinstance(error, Exception):
+                raise
+            return None
+
+    def _settle(self, failed: list[Request]) -> list[Request]:
+        """Read the tokens of the iteration in flight and update the scheduler with them;
+        returns the requests that got one (a request that ended meanwhile gets none). When
+        reading fails, its requests are ended and added to ``failed``."""
+        flight, self._in_flight = self._in_flight, None
+        try:
+            output = self.runner.collect(flight.launched)
+        except BaseException as error:
+            failed += self._fail(flight.plan.affected_requests, error, "its iteration failed")
+            if not isinstance(error, Exception):
+                raise
+            return []
+        output.seconds = time.perf_counter() - flight.start
+        self._count(flight.plan, output)
+        if self.trace is not None:
+            self._record(flight.plan, output, flight.schedule_seconds, 0.0, flight.segments_freed)
+        return self.scheduler.update(flight.plan, output)
+
     def _schedule(self) -> tuple[SchedulerOutput, float, float, int | None]:
         """The plan, when scheduling ended (the step's time counts from there), the scheduler's
         seconds, and the device segments freed so far (traced CUDA engines)."""
@@ -471,6 +565,12 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self._in_flight is not None:  # its device work writes the pools freed below
+            try:
+                self.runner.collect(self._in_flight.launched)
+            except RuntimeError as error:
+                logger.warning("the iteration in flight at close failed: %s", error)
+            self._in_flight = None
         if self.runner.host_batch_in_flight:  # its host functions use the pools freed below
             try:
                 self.runner.collect_host_batch(wait_seconds=float("inf"))

@@ -7,7 +7,10 @@ import torch
 from neo.models.attention_metadata import AttentionMetadata
 from .gemm_rows import padded_rows
 from neo.request import KVLocation, Request
+from neo.sched.runner_output import UNRESOLVED_TOKEN
 from neo.sched.scheduler_output import SubBatch
+
+from .sampled_tokens import PreviousTokens
 
 
 @dataclass
@@ -39,21 +42,35 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
-                       pad_rows: bool = False) -> BatchInputs:
+                       pad_rows: bool = False, previous: PreviousTokens | None = None) -> BatchInputs:
     """Lay out the sub-batch's tokens (prefills packed, then GPU decodes, then CPU decodes);
-    ``pad_rows``: then padding rows up to ``padded_rows`` (token 0 at position 0, slot -1)."""
+    ``pad_rows``: then padding rows up to ``padded_rows`` (token 0 at position 0, slot -1).
+
+    A request whose newest token is unresolved (async scheduling) has that token's row filled on
+    the device from ``previous``, the samples of the iteration launched before."""
     token_ids: list[int] = []
+    unresolved_rows: list[int] = []  # rows whose token is in ``previous``
+    previous_rows: list[int] = []  # and its row there
     positions: list[int] = []
     slots: list[int] = []
     host_slots: list[int] = []  # of the prefill tokens
     cu_seqlens = [0]
     logits_rows: list[int] = []
 
+    def take_previous(row: int, request: Request) -> None:
+        if previous is None:
+            raise RuntimeError(f"{request} has an unresolved token, but no previous iteration's samples were given")
+        unresolved_rows.append(row)
+        previous_rows.append(previous.row_of(request))
+        token_ids[row] = 0  # a valid id until the device fills the row
+
     for request in batch.prefills:
         length = request.num_tokens
         table = request.block_table
         request_slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
         token_ids += request.all_token_ids
+        if request.last_token_id == UNRESOLVED_TOKEN:
+            take_previous(len(token_ids) - 1, request)
         positions += range(length)
         on_gpu = request.location is KVLocation.GPU
         slots += request_slots if on_gpu else [-1] * length
@@ -68,6 +85,9 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
         decode_slots = [request.block_table[position // block_size] * block_size + position % block_size
                         for request, position in zip(requests, decode_positions)]
         token_ids.extend(request.last_token_id for request in requests)
+        for row, request in enumerate(requests, start=first_row):
+            if token_ids[row] == UNRESOLVED_TOKEN:
+                take_previous(row, request)
         positions.extend(decode_positions)
         slots.extend(decode_slots if on_device else [-1] * len(requests))
         logits_rows.extend(range(first_row, first_row + len(requests)))
@@ -99,9 +119,13 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
         prefill_host_slot_mapping=_to_device(host_slots if num_offloaded else [], int64, device),
         num_padding_tokens=num_padding,
     )
+    input_ids = _to_device(token_ids, int64, device)
+    if unresolved_rows:
+        rows = _to_device(unresolved_rows, int64, device)
+        input_ids[rows] = previous.tokens[_to_device(previous_rows, int64, device)]
     return BatchInputs(
         requests=batch.prefills + batch.gpu_decodes + batch.host_decodes,
-        input_ids=_to_device(token_ids, int64, device),
+        input_ids=input_ids,
         metadata=metadata,
         logits_indices=_to_device(logits_rows, int64, device),
     )

@@ -25,6 +25,7 @@ synchronizes the device.
 """
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,15 @@ from neo.kv.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 MAX_SUB_BATCHES = 2  # sub-batches in flight at once
+
+
+@dataclass
+class IterationTiming:
+    """An iteration's timing events on the compute stream: its span (start, end) and the
+    compute stream's waits for the host (before, after each); empty when not measuring."""
+
+    span_events: list
+    wait_events: list
 
 
 class _SubBatchState:
@@ -157,13 +167,19 @@ class PipelineExecutor:
         if self.hand_off is not None:
             self.hand_off.raise_failure()
 
-    def gpu_busy_seconds(self) -> float | None:
-        """The last iteration's GPU time outside waits for the host (once it has completed)."""
-        if not self.measure_gpu_busy or None in self._span_events or len(self._span_events) != 2:
+    def timing(self) -> IterationTiming:
+        """The last iteration's timing events, which stay valid after later iterations are queued."""
+        return IterationTiming(self._span_events, self._wait_events)
+
+    def gpu_busy_seconds(self, timing: IterationTiming | None = None) -> float | None:
+        """GPU time outside waits for the host of the iteration ``timing`` is of (default: the
+        last one), once it has completed."""
+        timing = timing or self.timing()
+        if not self.measure_gpu_busy or None in timing.span_events or len(timing.span_events) != 2:
             return None
-        start, end = self._span_events
+        start, end = timing.span_events
         try:
-            waiting = sum(before.elapsed_time(after) for before, after in self._wait_events)
+            waiting = sum(before.elapsed_time(after) for before, after in timing.wait_events)
         except RuntimeError as error:  # events a graph recorded that the driver cannot time
             logger.warning("GPU busy time not measured from now on: timing the waits for the host "
                            "failed (%s)", error)

@@ -4,6 +4,7 @@ reads too."""
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,11 +16,12 @@ from neo.sched.stage_order import StageOrder
 
 from .batch_inputs import build_batch_inputs
 from .decode_graphs import DecodeGraphs
-from .executor import PipelineExecutor
+from .executor import IterationTiming, PipelineExecutor
 from .host_batches import HostBatchRunner
 from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
 from .rank_plan import PlanChannel
+from .sampled_tokens import HostTokenBuffers, PreviousTokens, SampledTokens
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
@@ -27,6 +29,27 @@ from .token_logprobs import TokenLogprobs
 def block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
     """int64 host ``[n, 2]`` (source block, destination block) rows."""
     return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
+
+
+@dataclass
+class LaunchedIteration:
+    """An iteration whose device work is queued (``ModelRunner.launch``); ``tokens`` None when it
+    had no sub-batch. ``requests`` in logit-row order (``plan.requests`` order); ``began`` and
+    ``queue_seconds``: when the launch began and how long queuing took; ``timing``: the
+    executor's events, for its GPU busy time (None when a decode graph replayed)."""
+
+    requests: list
+    tokens: SampledTokens | None
+    logprobs: TokenLogprobs | None
+    began: float
+    queue_seconds: float
+    decode_graph: bool
+    replayed: bool
+    timing: IterationTiming | None
+
+    def previous_tokens(self) -> PreviousTokens | None:
+        """Its samples, as the next iteration's ``previous``."""
+        return None if self.tokens is None else PreviousTokens(self.tokens.device, self.requests)
 
 
 class ModelRunner:
@@ -56,6 +79,7 @@ class ModelRunner:
         self.plan_channel = plan_channel
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
+        self.host_token_buffers = HostTokenBuffers()
         # Both kinds of graphs are captured for the same context (``EngineConfig.cuda_graph_max_context``).
         self.graph_coverage = GraphCoverage(
             decode_max_requests=decode_graphs.sizes[-1] if decode_graphs is not None else 0,
@@ -68,28 +92,50 @@ class ModelRunner:
         ``plan.requests`` order, with what was measured (the requests that ask for
         log-probabilities get them recorded). ``on_launched`` is called once the
         device work (sampling included) is queued, before waiting for the tokens."""
+        return self.collect(self.launch(plan, on_launched))
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, on_launched: Callable[[], None] | None = None,
+               previous: PreviousTokens | None = None, read_later: bool = False) -> LaunchedIteration:
+        """Queue the plan's device work up to the sampled tokens, then call ``on_launched``.
+        ``previous``: the samples of the iteration launched before, which the requests whose
+        newest token is unresolved take as input (async scheduling). ``read_later``: copy the
+        tokens to page-locked host memory behind the sampling, for a ``collect`` after the next
+        launch."""
         began = time.perf_counter()
         if self.plan_channel is not None:
             self.plan_channel.send_plan(plan)
-        logits, requests, decode_graph, replayed = self._forward(plan)
+        logits, requests, decode_graph, replayed = self._forward(plan, previous)
         if logits is None:
             if on_launched is not None:
                 on_launched()
-            return IterationOutput([], time.perf_counter() - began, 0.0, time.perf_counter() - began)
+            return LaunchedIteration([], None, None, began, time.perf_counter() - began, False, False, None)
         sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
                                [r.generator for r in requests])
         logprobs = TokenLogprobs.compute(logits, sampled, requests)
+        tokens = self.host_token_buffers.start_copy(sampled) if read_later else SampledTokens(sampled, sampled, None)
         queue_seconds = time.perf_counter() - began
         if on_launched is not None:
             on_launched()
-        tokens = sampled.tolist()  # waits for the device
+        # A decode graph replays no executor work: no GPU busy time measured.
+        return LaunchedIteration(requests, tokens, logprobs, began, queue_seconds, decode_graph, replayed,
+                                 None if decode_graph else self.executor.timing())
+
+    def collect(self, launched: LaunchedIteration) -> IterationOutput:
+        """Wait for a launched iteration's tokens (not for work queued after them); returns them
+        in ``plan.requests`` order with what was measured, the log-probabilities recorded."""
+        if launched.tokens is None:
+            elapsed = time.perf_counter() - launched.began
+            return IterationOutput([], elapsed, 0.0, elapsed)
+        tokens = launched.tokens.tolist()
         self.executor.raise_host_failure()
-        if logprobs is not None:
-            logprobs.record(requests)
-        # A decode graph replays no executor work: no host time, no GPU busy time measured.
-        return IterationOutput(tokens, time.perf_counter() - began,
-                               0.0 if decode_graph else self.executor.host_busy_seconds(), queue_seconds,
-                               None if decode_graph else self.executor.gpu_busy_seconds(), replayed)
+        if launched.logprobs is not None:
+            launched.logprobs.record(launched.requests)
+        return IterationOutput(tokens, time.perf_counter() - launched.began,
+                               0.0 if launched.decode_graph else self.executor.host_busy_seconds(),
+                               launched.queue_seconds,
+                               None if launched.timing is None else self.executor.gpu_busy_seconds(launched.timing),
+                               launched.replayed)
 
     @torch.inference_mode()
     def follow(self, plan: SchedulerOutput) -> None:
@@ -102,17 +148,19 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             self.executor.raise_host_failure()
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor | None, list, bool, bool]:
+    def _forward(self, plan: SchedulerOutput,
+                 previous: PreviousTokens | None = None) -> tuple[torch.Tensor | None, list, bool, bool]:
         """The plan's swaps and sub-batches up to the logits: ``(logits [requests, vocab] float32,
         the requests in logit-row order, whether a decode graph replayed, whether any graph
-        replayed)``; logits None when the plan has no sub-batch (its swaps are done)."""
+        replayed)``; logits None when the plan has no sub-batch (its swaps are done).
+        ``previous``: see ``launch``."""
         sub_batches = [batch for batch in plan.sub_batches if batch]
         swaps = plan.has_swaps
         if not sub_batches:
             if swaps:
                 self.swap(plan)
             return None, [], False, False
-        batches = [build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
+        batches = [build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows, previous)
                    for batch in sub_batches]
         requests = [request for inputs in batches for request in inputs.requests]
         logits = None

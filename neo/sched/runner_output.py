@@ -5,6 +5,12 @@ from dataclasses import dataclass
 
 from neo.request import Request
 
+# Under async scheduling (``EngineConfig.async_scheduling``) a request's newest output token
+# while the iteration that samples it still runs: it counts as a token for planning (positions,
+# slots), and the runner takes the real one from the device for the next iteration's input. It
+# is replaced when the tokens reach the host, or dropped if the request ends first.
+UNRESOLVED_TOKEN = -1
+
 
 @dataclass
 class IterationOutput:

@@ -27,6 +27,14 @@ iterations for a decode.
 
 Results come back through ``update``: the sampled tokens (appended, finished requests freed),
 the completed host batch, and the measured times, which correct later estimates.
+
+Under async scheduling (``EngineConfig.async_scheduling``) the engine plans the next iteration
+before the tokens of the one running are known: ``advance`` gives each of its requests an
+``UNRESOLVED_TOKEN`` (so positions and slots move on by one), ``update`` later puts the real
+token in its place and applies the stop conditions, and a request that ended meanwhile (a stop
+found in its previous token, an abort) has the token dropped. The engine plans ahead only while
+``can_plan_ahead``: no request can be evicted, so an unresolved token never leaves the running
+requests (by a preemption or an end for lack of room).
 """
 
 import logging
@@ -39,7 +47,7 @@ from neo.request import KVLocation, Request, RequestStatus
 from .block_manager import BlockManager
 from .estimates import Estimates
 from .placement import Placement
-from .runner_output import HostBatchOutput, IterationOutput
+from .runner_output import UNRESOLVED_TOKEN, HostBatchOutput, IterationOutput
 from .scheduler_output import SchedulerOutput, SubBatch
 
 GPU, HOST = KVLocation.GPU, KVLocation.HOST
@@ -101,7 +109,11 @@ class Scheduler:
         self.finish(request, reason)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Mark finished and return its blocks; the caller has removed it from the queues."""
+        """Mark finished and return its blocks; the caller has removed it from the queues. An
+        unresolved newest token (async scheduling) is dropped: it comes after the end."""
+        if request.output_token_ids and request.output_token_ids[-1] == UNRESOLVED_TOKEN:
+            request.output_token_ids.pop()
+            request.num_tokens -= 1
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request)
@@ -334,6 +346,23 @@ class Scheduler:
             extra *= 2
         return extras
 
+    # -- planning ahead (async scheduling) -------------------------------------------------------
+
+    def can_plan_ahead(self) -> bool:
+        """Whether every running request of the GPU pool can have its next token's slot without
+        evicting a request, so that a plan made now preempts and ends none."""
+        manager = self.block_manager
+        needed = sum(1 for request in self.running if request.location is GPU and manager.needs_new_block(request))
+        return needed <= manager.num_free(GPU)
+
+    def advance(self, plan: SchedulerOutput) -> None:
+        """The plan was launched and its tokens are not known yet: each of its unfinished
+        requests gets an ``UNRESOLVED_TOKEN`` in their place (``update`` resolves it)."""
+        for request in plan.requests:
+            if not request.is_finished:
+                request.num_cached_tokens = request.num_tokens
+                request.append_token(UNRESOLVED_TOKEN)
+
     # -- results -------------------------------------------------------------------------------
 
     def update(self, plan: SchedulerOutput, output: IterationOutput | None,
@@ -358,10 +387,17 @@ class Scheduler:
         return self.placement.host_batch_done(self, None)
 
     def _append(self, pairs: list[tuple[Request, int]]) -> list[Request]:
+        """Give each request its token (in place of its unresolved one, if it has one; dropped
+        for a request that ended meanwhile); returns the requests that got one."""
         requests = []
         for request, token in pairs:
-            request.num_cached_tokens = request.num_tokens
-            request.append_token(token)
+            if request.is_finished:
+                continue
+            if request.output_token_ids and request.output_token_ids[-1] == UNRESOLVED_TOKEN:
+                request.output_token_ids[-1] = token
+            else:
+                request.num_cached_tokens = request.num_tokens
+                request.append_token(token)
             reason = self.finish_reason(request, token)
             if reason is not None:
                 self.finish(request, reason)

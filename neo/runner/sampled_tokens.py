@@ -1,0 +1,80 @@
+"""Sampled token ids on their way to the host, and on the device for the next iteration's input.
+
+Under async scheduling (``EngineConfig.async_scheduling``) the engine launches iteration k+1
+before it reads the tokens of iteration k. The tokens of k are copied to page-locked host memory
+on the compute stream behind k's sampling, an event marks the copy's end, and the host waits for
+that event only after k+1 is queued (``SampledTokens.tolist``). Meanwhile iteration k+1 takes the
+input ids of k's requests from k's sampled tensor on the device (``PreviousTokens``), so those
+ids never pass through the host before k+1 launches.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from neo.request import Request
+
+BUFFERS_IN_FLIGHT = 2  # the copy of k+1 is queued while the host still reads that of k
+
+
+class HostTokenBuffers:
+    """A ring of page-locked int64 buffers the sampled tokens are copied into (on CUDA), each
+    grown to the next power of two when a batch outgrows it: allocating page-locked memory waits
+    for the whole device, so it is done rarely and never per iteration."""
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor | None] = [None] * BUFFERS_IN_FLIGHT
+        self._next = 0
+
+    def start_copy(self, sampled: torch.Tensor) -> "SampledTokens":
+        """Queue the copy of ``sampled`` int64 ``[N]`` (on the compute device) to the host behind
+        the work that produces it; on the CPU the tensor itself is the host copy."""
+        if sampled.device.type != "cuda":
+            return SampledTokens(sampled, sampled, None)
+        count = sampled.numel()
+        index, self._next = self._next, (self._next + 1) % BUFFERS_IN_FLIGHT
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < count:
+            capacity = 1 << max(count - 1, 0).bit_length()
+            buffer = self._buffers[index] = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        host = buffer[:count]
+        host.copy_(sampled, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(sampled.device))
+        return SampledTokens(sampled, host, event)
+
+
+@dataclass
+class SampledTokens:
+    """One iteration's sampled token ids: ``device`` int64 ``[N]`` on the compute device and
+    ``host`` int64 ``[N]``, valid once ``copied`` (None: already valid) has completed."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def tolist(self) -> list[int]:
+        """The token ids, waiting for the copy (not for work queued after it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class PreviousTokens:
+    """The samples of the iteration launched before the one being built: ``tokens`` int64 ``[N]``
+    on the compute device, ``requests`` in its row order. A request whose newest token is
+    unresolved takes it from here."""
+
+    tokens: torch.Tensor
+    requests: list[Request]
+
+    def __post_init__(self):
+        self._rows = {id(request): row for row, request in enumerate(self.requests)}
+
+    def row_of(self, request: Request) -> int:
+        """The row of ``request``'s token; raises if the iteration did not sample one for it."""
+        row = self._rows.get(id(request))
+        if row is None:
+            raise RuntimeError(f"{request} waits for a token that the previous iteration did not sample")
+        return row
