@@ -11,7 +11,13 @@ written; an 8192^3 bf16 matmul on random data). The GPU-busy fraction is the GPU
 forward (replays of the batch's CUDA graph and the logits GEMM, timed with events) over the iteration's wall time;
 the rest is host work the GPU waits for (scheduling, inputs, sampling, bookkeeping).
 
+The engine runs with async scheduling (``EngineConfig.async_scheduling``: the host plans and
+launches iteration k+1 before reading iteration k's tokens, so its work overlaps the GPU's);
+``--no-async-scheduling`` runs the synchronous loop, each iteration's tokens read before the next
+is planned. Run both in one session to compare them on the same device:
+
     python benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024
+    python benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024 --no-async-scheduling
 """
 
 import argparse
@@ -117,6 +123,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each iteration's tokens before planning the next")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -125,7 +133,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", policy="gpu-only",
                                     max_num_seqs=max(sizes), max_model_len=2 * args.context + 64,
                                     max_num_batched_tokens=max(8192, args.context),
-                                    use_cuda_graphs=not args.no_cuda_graphs))
+                                    use_cuda_graphs=not args.no_cuda_graphs,
+                                    async_scheduling=not args.no_async_scheduling))
     rows = []
     for batch in sizes:
         row = measure(engine, batch, args.context, args.iterations)
@@ -136,9 +145,11 @@ def main() -> None:
         rows.append(row)
     report = {"device": device_name(device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "model": args.model, "copy_bandwidth_bytes_per_s": bandwidth, "bf16_gemm_flops": flops,
-              "cuda_graphs": not args.no_cuda_graphs, "rows": rows}
+              "cuda_graphs": not args.no_cuda_graphs, "async_scheduling": not args.no_async_scheduling,
+              "rows": rows}
     engine.close()
-    print(f"{args.model} gpu-only decode iterations on {report['device']}: copy {bandwidth / 1e12:.2f} TB/s, "
+    print(f"{args.model} gpu-only decode iterations on {report['device']} (async scheduling "
+          f"{'on' if report['async_scheduling'] else 'off'}): copy {bandwidth / 1e12:.2f} TB/s, "
           f"bf16 GEMM {flops / 1e12:.0f} TFLOP/s")
     print(f"{'batch':>6} {'ctx':>6} {'iter ms':>9} {'roofline ms':>12} {'ratio':>6} {'GPU busy':>9}")
     for row in rows:

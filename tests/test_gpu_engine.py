@@ -18,6 +18,7 @@ import torch
 import neo.runner.host_attention
 
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
+from mixed_batch import assert_all_blocks_free, engine_for, make_mixed_requests, run_mixed
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
 from neo.kv.kv_cache import CacheLayout, KVCache
 from neo.ops import reference
@@ -275,3 +276,21 @@ def test_engine_runs_with_the_cuda_kernels_unavailable(expected):
     for name, result in results.items():
         assert result["tokens"] == expected, name
         assert result["graph_iterations"] == 0, name
+
+
+@pytest.mark.parametrize("gpu_blocks", [1024, 12], ids=["roomy", "preempting"])
+def test_async_scheduling_gives_the_synchronous_tokens_on_gpu(gpu_blocks):
+    """On CUDA the tokens are copied to page-locked memory behind the sampling and read after
+    the next launch, whose input ids come from the samples on the device (CUDA graphs on)."""
+    requests = make_mixed_requests()
+    results = {}
+    for async_scheduling in (False, True):
+        engine = engine_for(async_scheduling, gpu_blocks, device="cuda")
+        try:
+            results[async_scheduling] = run_mixed(engine, requests)
+            engine.step()  # the iteration still in flight, if any, only drops tokens
+            assert_all_blocks_free(engine)
+            assert engine.metrics.graph_iterations > 0
+        finally:
+            engine.close()
+    assert results[True] == results[False]

@@ -121,8 +121,8 @@ def build_batch_inputs(batch: SubBatch, block_size: int, device: torch.device,
     )
     input_ids = _to_device(token_ids, int64, device)
     if unresolved_rows:
-        rows = _to_device(unresolved_rows, int64, device)
-        input_ids[rows] = previous.tokens[_to_device(previous_rows, int64, device)]
+        samples = previous.tokens.index_select(0, _to_device(previous_rows, int64, device))
+        input_ids.index_copy_(0, _to_device(unresolved_rows, int64, device), samples)
     return BatchInputs(
         requests=batch.prefills + batch.gpu_decodes + batch.host_decodes,
         input_ids=input_ids,
