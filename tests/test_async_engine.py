@@ -64,13 +64,14 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_concurrent_streams_equal_generate(seed, reference_llm):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-scheduling", "async-scheduling"])
+def test_concurrent_streams_equal_generate(seed, reference_llm, async_scheduling):
     prompts = random_prompts(seed, 6)
     params = [greedy(4 + index * 3) for index in range(len(prompts))]
     expected = [output.outputs[0].token_ids for output in reference_llm.generate(prompts, params)]
 
     async def main():
-        async_engine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE_OPTIONS)))
+        async_engine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE_OPTIONS, async_scheduling=async_scheduling)))
         async_engine.start()
         try:
             streams = await asyncio.gather(*(
@@ -92,11 +93,12 @@ def test_concurrent_streams_equal_generate(seed, reference_llm):
     assert stats.tokens_per_second(time.monotonic()) > 0
 
 
-def test_closing_a_stream_aborts_and_frees_blocks(seed):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-scheduling", "async-scheduling"])
+def test_closing_a_stream_aborts_and_frees_blocks(seed, async_scheduling):
     prompts = random_prompts(seed, 4)
 
     async def main():
-        async_engine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE_OPTIONS)))
+        async_engine = AsyncEngine(LLMEngine(EngineConfig(**ENGINE_OPTIONS, async_scheduling=async_scheduling)))
         async_engine.start()
         try:
             # Two streams are closed after two outputs...

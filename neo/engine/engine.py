@@ -214,6 +214,12 @@ class LLMEngine:
             self.abort_request(request_id)
         return len(request_ids)
 
+    @property
+    def iteration_in_flight(self) -> bool:
+        """Whether an iteration's tokens are still to be read (async scheduling): the next step
+        returns them."""
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
         """Requests still to finish, or a host batch still to complete (its blocks with it)."""
         return self.scheduler.has_unfinished

@@ -335,7 +335,7 @@ class AsyncEngine:
             logger.exception("an engine iteration failed")
             self._end_failed_requests(error, deliveries)
             return
-        self._stalled = not outputs
+        self._stalled = not outputs and not self.engine.iteration_in_flight  # in flight: its tokens come next
         self._latencies.iteration_ran(started)
         now = time.monotonic()
         for output in outputs:
