@@ -70,9 +70,13 @@ def test_async_scheduling_is_off_by_default_on_the_cpu():
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory):
+    return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))))
+
+
 @pytest.mark.parametrize("gpu_blocks", [1024, 8], ids=["roomy", "preempting"])
-def test_greedy_equals_transformers(gpu_blocks, tmp_path):
-    expected = greedy_continuations(transformers_tiny(str(tmp_path)))
+def test_greedy_equals_transformers(gpu_blocks, expected):
     llm = LLM("neo-tiny", device="cpu", policy="gpu-only", gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
               cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, async_scheduling=True)
     try:

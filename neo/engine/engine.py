@@ -469,18 +469,23 @@ class LLMEngine:
 
     def _outputs(self, plan: SchedulerOutput, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
         """The requests whose work failed, the plan's requests ended while planning, then those
-        that got a token."""
+        that got a token; one output per request. (Under async scheduling a request can get the
+        token of the previous iteration and then end in the same step, its work failed or no
+        room left for it: its one output is then the ended one, that token included.)"""
         now = time.monotonic()
         outputs = [self._output(request) for request in failed]
+        ended = {id(request) for request in failed}
         for request in plan.finished:
             logger.warning("request %s was ended at %d tokens: the KV pools had no room left for it",
                            request.request_id, request.num_tokens)
             outputs.append(self._finished(request, now))
+            ended.add(id(request))
         for request in decoded:
             if request.first_token_time is None:
                 request.first_token_time = now
             self.metrics.output_tokens += 1
-            outputs.append(self._finished(request, now) if request.is_finished else self._output(request))
+            if id(request) not in ended:
+                outputs.append(self._finished(request, now) if request.is_finished else self._output(request))
         self.metrics.preemptions = self.scheduler.num_preemptions
         return outputs
 
