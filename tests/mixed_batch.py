@@ -53,7 +53,7 @@ def make_mixed_requests() -> list[tuple[list[int], SamplingParams]]:
 def run_mixed(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[tuple]]:
     """Run the batch to its end, aborting request "5" once it has ``ABORTED_AT`` tokens; returns
     {request id: [(token ids, finish reason, text) per completion]}. Checks every step's outputs:
-    no unresolved token, and each request's tokens only grow."""
+    no unresolved token, each request's tokens only grow, and it finishes once."""
     for index, (prompt, params) in enumerate(requests):
         engine.add_request(prompt, params, request_id=str(index))
     seen: dict[str, list[list[int]]] = {}
@@ -68,6 +68,7 @@ def run_mixed(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]
             assert all(new[:len(old)] == old for new, old in zip(completions, before)), output
             seen[output.request_id] = completions
             if output.finished:
+                assert output.request_id not in results, f"request {output.request_id} finished twice"
                 results[output.request_id] = [(c.token_ids, c.finish_reason, c.text) for c in output.outputs]
             elif output.request_id == "5" and len(completions[0]) >= ABORTED_AT:
                 assert engine.abort_request("5")

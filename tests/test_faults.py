@@ -28,6 +28,8 @@ SETTINGS = {
     # name: (engine settings, the fault kinds its work has)
     "gpu-only-swapping": (dict(policy="gpu-only", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="lockstep"),
                           ("swap", "iteration")),
+    "gpu-only-async-scheduling": (dict(policy="gpu-only", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="lockstep",
+                                       async_scheduling=True), ("swap", "iteration")),
     "neo-lockstep": (dict(policy="neo", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="lockstep",
                           cpu_attention_kernel=HOST_ATTENTION_KERNEL), ("swap", "iteration", "host_attention")),
     "neo-async": (dict(policy="neo", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="async",
