@@ -49,7 +49,7 @@ class LaunchedIteration:
 
     def previous_tokens(self) -> PreviousTokens | None:
         """Its samples, as the next iteration's ``previous``."""
-        return None if self.tokens is None else PreviousTokens(self.tokens.device, self.requests)
+        return None if self.tokens is None else PreviousTokens(self.tokens.on_device, self.requests)
 
 
 class ModelRunner:

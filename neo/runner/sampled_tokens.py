@@ -46,18 +46,18 @@ class HostTokenBuffers:
 
 @dataclass
 class SampledTokens:
-    """One iteration's sampled token ids: ``device`` int64 ``[N]`` on the compute device and
-    ``host`` int64 ``[N]``, valid once ``copied`` (None: already valid) has completed."""
+    """One iteration's sampled token ids: ``on_device`` int64 ``[N]`` on the compute device and
+    ``on_host`` int64 ``[N]``, valid once ``copied`` (None: already valid) has completed."""
 
-    device: torch.Tensor
-    host: torch.Tensor
+    on_device: torch.Tensor
+    on_host: torch.Tensor
     copied: torch.cuda.Event | None
 
     def tolist(self) -> list[int]:
         """The token ids, waiting for the copy (not for work queued after it)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host.tolist()
+        return self.on_host.tolist()
 
 
 @dataclass
