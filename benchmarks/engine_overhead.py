@@ -71,8 +71,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sizes = [int(size) for size in args.batch_sizes.split(",")]
+    # The phases of the synchronous step, each timed alone: every token read before the next plan.
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                                    max_num_seqs=max(sizes), use_cuda_graphs=False))
+                                    max_num_seqs=max(sizes), use_cuda_graphs=False, async_scheduling=False))
     results = {"device": device_name(engine.device), "model": args.model, "context": args.context,
                "milliseconds": {}}
     for size in sizes:
