@@ -45,8 +45,9 @@ def test_mixed_batch_tokens_equal_the_synchronous_engine(gpu_blocks, mixed_reque
 
 
 def test_each_step_returns_the_previous_iterations_tokens():
-    """The prefill's token is still on its way when its step returns; the next step returns it
-    (and queues the next token's iteration). With the setting off, the prefill's step returns it."""
+    """The prefill's token is still on its way when its step returns; the next step launches
+    the next iteration before it reads that token, then returns it. With the setting off, the
+    prefill's step returns it, and each launch comes after the previous token was read."""
     for async_scheduling in (False, True):
         engine = engine_for(async_scheduling, 1024)
         try:
@@ -56,7 +57,10 @@ def test_each_step_returns_the_previous_iterations_tokens():
                 assert outputs == [] and request.output_token_ids == [UNRESOLVED_TOKEN]
             else:
                 assert len(outputs) == 1 and outputs[0].outputs[0].token_ids == request.output_token_ids
-            assert len(engine.step()[0].outputs[0].token_ids) == (1 if async_scheduling else 2)
+            at_launch = []
+            outputs = engine.step(on_launched=lambda: at_launch.append(request.output_token_ids[:]))
+            assert len(outputs[0].outputs[0].token_ids) == (1 if async_scheduling else 2)
+            assert (at_launch[0] == [UNRESOLVED_TOKEN]) == async_scheduling
         finally:
             engine.close()
 
