@@ -15,6 +15,12 @@ from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SubBatch
 from .stage_order import SEQUENTIAL, StageOrder
 
+def remaining_output(request: Request) -> int:
+    """Tokens ``request`` may still generate: its ``max_tokens`` less those it has, at least 1
+    (an end-of-sequence token may end it sooner; this is the bound)."""
+    return max(1, request.sampling_params.max_tokens - request.num_output_tokens)
+
+
 @dataclass
 class GpuWork:
     """A sub-batch's GPU work apart from its host decodes: tokens through the linear stages and
@@ -113,6 +119,16 @@ class Estimates:
         else:
             seconds = self.sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
         return seconds, sum(host)
+
+    def gpu_drain_time(self, gpu_requests: list[Request], waiting: list[Request], gpu_rate: float,
+                       max_num_batched_tokens: int) -> float:
+        """Seconds the GPU alone needs to finish ``gpu_requests`` and to prefill and decode
+        ``waiting``: the prompts in iterations of ``max_num_batched_tokens`` tokens, and every
+        remaining output token (``remaining_output``) at ``gpu_rate`` tokens per second."""
+        prompt_tokens = sum(r.num_tokens for r in waiting)
+        prefill = self.perf_model.linear(max_num_batched_tokens) * prompt_tokens / max_num_batched_tokens
+        output_tokens = sum(map(remaining_output, gpu_requests)) + sum(map(remaining_output, waiting))
+        return prefill + output_tokens / gpu_rate if gpu_rate > 0 else math.inf
 
     def steady_gpu_batch(self, gpu_requests: list[Request], host_requests: list[Request],
                          waiting_head: Request | None) -> SteadyGpuBatch:

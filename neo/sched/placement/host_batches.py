@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from neo.request import Request
 
 from ..calibration import HostBatchInterference
+from ..estimates import remaining_output
 from ..runner_output import IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 from ..stage_order import HOST_BATCH, SEQUENTIAL
@@ -202,6 +203,24 @@ class HostBatches(Placement):
             return requests - gpu_rate * self.gpu_cost(estimates, requests, context) if requests else 0.0
 
         current = gain(len(host_requests), host_context)
-        best_more = max((gain(len(host_requests) + extra, host_context + context)
-                         for extra, context in scheduler.extra_requests()), default=0.0)
+        extras = scheduler.extra_requests()  # none when nothing waits
+        if extras and not self.host_finishes_first(scheduler, gpu_requests, host_requests, gpu_rate):
+            extras = []
+        best_more = max((gain(len(host_requests) + extra, host_context + context) for extra, context in extras),
+                        default=0.0)
         return max(current, best_more) > 0, best_more > max(current, 0.0)
+
+    def host_finishes_first(self, scheduler, gpu_requests: list[Request], host_requests: list[Request],
+                            gpu_rate: float) -> bool:
+        """Whether the oldest waiting request, put in the host pool now, would finish there
+        before the GPU alone drains the rest of the work: its remaining output, one token per
+        host batch of the host population with it, against ``Estimates.gpu_drain_time`` of the
+        GPU requests and the requests waiting behind it at ``gpu_rate``. If not, the GPU pool is
+        short only for a while: the request would return to the GPU pool once that has room,
+        after a few host tokens that do not repay the copy back and the GPU iterations its host
+        batches slowed, or straggle on the host after the GPU has finished."""
+        head, *behind = scheduler.waiting
+        seconds, _ = self.host_batch_time(scheduler.estimates, [*host_requests, head])
+        drain = scheduler.estimates.gpu_drain_time(gpu_requests, behind, gpu_rate,
+                                                   scheduler.config.max_num_batched_tokens)
+        return remaining_output(head) * seconds <= drain
