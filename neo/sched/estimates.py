@@ -15,6 +15,7 @@ from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SubBatch
 from .stage_order import SEQUENTIAL, StageOrder
 
+
 def remaining_output(request: Request) -> int:
     """Tokens ``request`` may still generate: its ``max_tokens`` less those it has, at least 1
     (an end-of-sequence token may end it sooner; this is the bound)."""

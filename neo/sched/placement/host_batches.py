@@ -18,9 +18,13 @@ them ``(1 - 1/s) * T`` seconds, and at least ``linear(n)`` (the only cost before
 measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) makes
 ``gpu_rate * cost`` tokens, so a host batch of ``n`` decodes gains ``n - gpu_rate * cost``
 tokens: it pays when that is positive. New requests go to the host pool while a larger host
-population would gain more. A batch is launched when it pays, when the GPU has nothing else to
-do (``full-offload``, or no GPU work this iteration), or when its oldest request has waited
-``max_host_wait`` iterations: host requests always progress.
+population would gain more, and only while the host would finish the oldest waiting request
+(its remaining output, one token per host batch) before the GPU alone drains the rest of the
+work (``host_finishes_first``): when the GPU pool is short only for a while, a request put in
+the host pool comes back to it after a few host tokens, which repay neither the copy back nor
+the GPU iterations the host batches slowed. A batch is launched when it pays, when the GPU has
+nothing else to do (``full-offload``, or no GPU work this iteration), or when its oldest request
+has waited ``max_host_wait`` iterations: host requests always progress.
 
 A host batch is estimated by the cost function of its order (``linear(n)`` + host attention +
 the profiled ``host_batch_overhead``), host attention corrected online by the host time each
@@ -193,7 +197,8 @@ class HostBatches(Placement):
     def economics(self, scheduler, gpu_requests: list[Request], host_requests: list[Request]) -> tuple[bool, bool]:
         """(do host decodes pay, would more of them pay) for a steady decode iteration's GPU
         rate: a host population of ``n`` gains ``n - gpu_rate * cost(n)`` tokens per host
-        batch; "more" adds requests like the oldest waiting one (``Scheduler.extra_requests``)."""
+        batch; "more" adds requests like the oldest waiting one (``Scheduler.extra_requests``),
+        only where the host would finish it before the GPU drains (``host_finishes_first``)."""
         estimates = scheduler.estimates
         steady = estimates.steady_gpu_batch(gpu_requests, host_requests, scheduler.waiting[0] if scheduler.waiting else None)
         gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else 0.0
