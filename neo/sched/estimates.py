@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from neo.request import KVLocation, Request
 
+from .arrivals import ArrivingWork
 from .block_manager import BlockManager
 from .calibration import HostTimeCalibration
 from .cost import StageTimes
@@ -122,14 +123,22 @@ class Estimates:
         return seconds, sum(host)
 
     def gpu_drain_time(self, gpu_requests: list[Request], waiting: list[Request], gpu_rate: float,
-                       max_num_batched_tokens: int) -> float:
+                       max_num_batched_tokens: int, arriving: ArrivingWork) -> float:
         """Seconds the GPU alone needs to finish ``gpu_requests`` and to prefill and decode
-        ``waiting``: the prompts in iterations of ``max_num_batched_tokens`` tokens, and every
-        remaining output token (``remaining_output``) at ``gpu_rate`` tokens per second."""
+        ``waiting`` while work keeps arriving at ``arriving``'s rates. The backlog takes ``B``
+        seconds: the prompts in iterations of ``max_num_batched_tokens`` tokens, and every
+        remaining output token (``remaining_output``) at ``gpu_rate`` tokens per second. The
+        arriving work needs ``load`` GPU seconds per second at the same speeds, so each second
+        spent draining brings ``load`` seconds more: ``B * (1 + load + load**2 + ...) =
+        B / (1 - load)``. At ``load >= 1`` the arrivals keep the GPU saturated: it never drains."""
+        if gpu_rate <= 0:
+            return math.inf
+        prefill_per_token = self.perf_model.linear(max_num_batched_tokens) / max_num_batched_tokens
         prompt_tokens = sum(r.num_tokens for r in waiting)
-        prefill = self.perf_model.linear(max_num_batched_tokens) * prompt_tokens / max_num_batched_tokens
         output_tokens = sum(map(remaining_output, gpu_requests)) + sum(map(remaining_output, waiting))
-        return prefill + output_tokens / gpu_rate if gpu_rate > 0 else math.inf
+        backlog = prefill_per_token * prompt_tokens + output_tokens / gpu_rate
+        load = prefill_per_token * arriving.prompt_tokens_per_s + arriving.output_tokens_per_s / gpu_rate
+        return backlog / (1 - load) if load < 1 else math.inf
 
     def steady_gpu_batch(self, gpu_requests: list[Request], host_requests: list[Request],
                          waiting_head: Request | None) -> SteadyGpuBatch:

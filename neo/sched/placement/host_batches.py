@@ -20,11 +20,13 @@ measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) 
 tokens: it pays when that is positive. New requests go to the host pool while a larger host
 population would gain more, and only while the host would finish the oldest waiting request
 (its remaining output, one token per host batch) before the GPU alone drains the rest of the
-work (``host_finishes_first``): when the GPU pool is short only for a while, a request put in
-the host pool comes back to it after a few host tokens, which repay neither the copy back nor
-the GPU iterations the host batches slowed. A batch is launched when it pays, when the GPU has
-nothing else to do (``full-offload``, or no GPU work this iteration), or when its oldest request
-has waited ``max_host_wait`` iterations: host requests always progress.
+work, the work still arriving included (``host_finishes_first``): when the GPU pool is short
+only for a while, a request put in the host pool comes back to it after a few host tokens,
+which repay neither the copy back nor the GPU iterations the host batches slowed; while
+arrivals keep the GPU saturated, it never drains and the host pool stays open. A batch is
+launched when it pays, when the GPU has nothing else to do (``full-offload``, or no GPU work
+this iteration), or when its oldest request has waited ``max_host_wait`` iterations: host
+requests always progress.
 
 A host batch is estimated by the cost function of its order (``linear(n)`` + host attention +
 the profiled ``host_batch_overhead``), host attention corrected online by the host time each
@@ -220,12 +222,15 @@ class HostBatches(Placement):
         """Whether the oldest waiting request, put in the host pool now, would finish there
         before the GPU alone drains the rest of the work: its remaining output, one token per
         host batch of the host population with it, against ``Estimates.gpu_drain_time`` of the
-        GPU requests and the requests waiting behind it at ``gpu_rate``. If not, the GPU pool is
-        short only for a while: the request would return to the GPU pool once that has room,
-        after a few host tokens that do not repay the copy back and the GPU iterations its host
-        batches slowed, or straggle on the host after the GPU has finished."""
+        GPU requests and the requests waiting behind it at ``gpu_rate``, with the work still
+        arriving (``Scheduler.arrivals``). If not, the GPU pool is short only for a while: the
+        request would return to the GPU pool once that has room, after a few host tokens that do
+        not repay the copy back and the GPU iterations its host batches slowed, or straggle on
+        the host after the GPU has finished. While arrivals keep the GPU saturated it never
+        drains, and the host pool stays open."""
         head, *behind = scheduler.waiting
         seconds, _ = self.host_batch_time(scheduler.estimates, [*host_requests, head])
         drain = scheduler.estimates.gpu_drain_time(gpu_requests, behind, gpu_rate,
-                                                   scheduler.config.max_num_batched_tokens)
+                                                   scheduler.config.max_num_batched_tokens,
+                                                   scheduler.arrivals.arriving_work())
         return remaining_output(head) * seconds <= drain
