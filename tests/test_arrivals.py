@@ -110,3 +110,19 @@ def test_the_scheduler_records_one_entry_per_decision_and_its_iterations_time():
     work = scheduler.arrivals.arriving_work()
     assert work.output_tokens_per_s == pytest.approx(10 * OUTPUT / 2.1)
     assert work.prompt_tokens_per_s == pytest.approx(10 * PROMPT / 2.1)
+
+
+def test_a_burst_added_to_an_idle_engine_is_backlog_again():
+    """A stream of 10 requests per second, run to completion; then a second burst: the engine
+    was idle in between, so the stream says nothing about the work arriving after the burst."""
+    scheduler = make_scheduler("neo", gpu_blocks=400, host_blocks=400, host_pipeline="async")
+    for step in range(10):
+        scheduler.add(request_at(0.1 * step, f"stream{step}"))
+        execute(scheduler, scheduler.schedule(), seconds=0.1)
+    assert scheduler.arrivals.arriving_work() != NO_ARRIVALS
+    while scheduler.has_unfinished:
+        execute(scheduler, scheduler.schedule(), seconds=0.1)
+    for index in range(20):
+        scheduler.add(request_at(10.0, f"burst{index}"))
+    execute(scheduler, scheduler.schedule(), seconds=0.1)
+    assert scheduler.arrivals.arriving_work() == NO_ARRIVALS

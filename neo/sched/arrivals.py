@@ -7,6 +7,9 @@ entry: the newest arrival time among them and the prompt and output tokens they 
 and is not counted: the rate is the tokens of the later entries over the time from the opening
 entry's newest arrival until now. An offline burst (every request added before one decision)
 is a single entry, so it opens the window and adds nothing to the rate: it is backlog only.
+The scheduler starts the record again (``restart``) when a request comes to an idle engine: the
+arrivals before it did not keep the engine busy, and a burst added then (a second offline run)
+opens the new window.
 
 The scheduler has no clock of the arrival times' own (they are the engine's monotonic clock, or
 the simulator's), so "now" is the newest arrival time plus the seconds of the iterations the
@@ -55,6 +58,12 @@ class ArrivalRate:
         self._entries: deque[ArrivalEntry] = deque(maxlen=window)
         self._pending: list[Request] = []  # added since the last decision
         self._seconds_since_newest = 0.0  # iterations reported since the newest entry
+
+    def restart(self) -> None:
+        """Forget every arrival: the engine is idle."""
+        self._entries.clear()
+        self._pending = []
+        self._seconds_since_newest = 0.0
 
     def arrive(self, request: Request) -> None:
         """A request added to the waiting queue; it joins the next decision's entry."""

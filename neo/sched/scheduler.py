@@ -89,6 +89,8 @@ class Scheduler:
     # -- queues --------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if not self.has_unfinished:  # idle: the arrivals so far did not keep the engine busy
+            self.arrivals.restart()
         self.waiting.append(request)
         self.arrivals.arrive(request)
 
