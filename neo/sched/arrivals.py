@@ -73,9 +73,10 @@ class ArrivalRate:
         """A scheduling decision: the requests added since the last one become one entry."""
         if not self._pending:
             return
-        self._entries.append(ArrivalEntry(max(r.arrival_time for r in self._pending), len(self._pending), sum(r.num_tokens for r in self._pending),
-                                          sum(r.sampling_params.max_tokens for r in self._pending)))
-        self._pending = []
+        pending, self._pending = self._pending, []
+        self._entries.append(ArrivalEntry(max(r.arrival_time for r in pending), len(pending),
+                                          sum(r.num_tokens for r in pending),
+                                          sum(r.sampling_params.max_tokens for r in pending)))
         self._seconds_since_newest = 0.0
 
     def elapse(self, seconds: float) -> None:
