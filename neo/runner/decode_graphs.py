@@ -10,6 +10,13 @@ a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logit
 Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider than the
 captured width (longer contexts run eagerly): the runner's ``GraphCoverage``.
 
+The padded batch sizes are 1, 2, 4 and then the GEMM row buckets (``neo.runner.gemm_rows``) up
+to the largest batch: a batch of n >= 8 decodes replays the graph whose GEMMs run the rows an
+eager iteration of n decodes pads to, so the graphs add no GEMM rows beyond the eager path's
+padding, every GEMM shape they capture was already run by the start-up warm-up, and there are
+about half as many graphs to capture as with a graph per multiple of 8 (each capture runs the
+forward twice: a warm-up and the capture).
+
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
 workspaces by stream), and ``torch.cuda.graph`` otherwise captures every graph on one shared
@@ -24,16 +31,27 @@ import torch
 
 from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
-from .gemm_rows import padded_logits
+from .gemm_rows import padded_logits, row_buckets
 
 logger = logging.getLogger(__name__)
 
 
 def padded_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8, up to ``max_batch_size`` (included)."""
+    """1, 2, 4, then the GEMM row buckets below ``max_batch_size``, then ``max_batch_size``."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = [size for size in (1, 2, 4) if size < max_batch_size]
-    sizes += list(range(8, max_batch_size, 8))
+    sizes += [rows for rows in row_buckets(max_batch_size) if rows < max_batch_size]
     return sorted(set(sizes + [max_batch_size]))
+
+
+def padded_batch_size(count: int, sizes: list[int]) -> int:
+    """The captured size a batch of ``count`` decodes replays: the smallest of ``sizes`` at or
+    above it (a ``ValueError`` when none is)."""
+    size = next((size for size in sizes if size >= count), None)
+    if size is None or count < 1:
+        raise ValueError(f"no captured batch size for {count} decodes (sizes {sizes[0]} to {sizes[-1]})")
+    return size
 
 
 def graph_block_width(max_context: int, block_size: int) -> int:
@@ -94,7 +112,7 @@ class DecodeGraphs:
         returns float32 logits ``[num_decodes, vocab]``."""
         meta = inputs.metadata
         count = meta.num_gpu_decodes
-        size = next(size for size in self.sizes if size >= count)
+        size = padded_batch_size(count, self.sizes)
         self.input_ids[:count].copy_(inputs.input_ids[:count], non_blocking=True)
         self.positions[:count].copy_(meta.positions[:count], non_blocking=True)
         self.slot_mapping[:count].copy_(meta.slot_mapping[:count], non_blocking=True)
