@@ -21,7 +21,7 @@ from neo.sched.graph_coverage import GraphCoverage
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_POOLS = dict(gpu_kv_cache_gib=gib_for_blocks(64), cpu_kv_cache_gib=gib_for_blocks(256))
-ENGINE_PHASES = {"load model", "tokenizer", "KV pools", "host pipeline"}
+ENGINE_PHASES = {"load model", "tokenizer", "KV budget", "KV pools", "host pipeline"}
 
 
 def test_phases_accumulate_and_add_up_to_the_total():

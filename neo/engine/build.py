@@ -137,9 +137,10 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids
                               else model.config.eos_token_ids)
 
-    layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
-                                     gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
-                                     host_bytes=int(config.cpu_kv_cache_gib * GIB))
+    with startup.phase("KV budget"):  # on a GPU: a forward of the largest batch measures the activations
+        layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
+                                         gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
+                                         host_bytes=int(config.cpu_kv_cache_gib * GIB))
     layout = smallest_over_ranks(layout, parallel)  # one block manager addresses every rank's pools
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
