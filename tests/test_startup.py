@@ -16,7 +16,6 @@ from engine_reference import gib_for_blocks
 from neo import LLM
 from neo.engine.startup_phases import OTHER, TOTAL, StartupPhases
 from neo.runner.decode_graphs import padded_batch_size, padded_batch_sizes
-from neo.runner.gemm_rows import padded_rows
 from neo.sched.graph_coverage import GraphCoverage
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,8 +70,8 @@ def test_engine_reports_every_phase_of_its_start(policy, phases, caplog):
 @pytest.mark.parametrize("largest", list(range(1, 130)) + [255, 256, 257, 512, 1000, 2048])
 def test_decode_graph_sizes_cover_every_batch_the_scheduler_forms(largest):
     """Every GPU decode count up to ``max_num_seqs`` replays a graph of at least its size that
-    the runner's ``GraphCoverage`` admits; from 8 decodes on the graph has the rows of the
-    eager path's GEMM bucket (or the largest size)."""
+    the runner's ``GraphCoverage`` admits, padded to the next power of two up to 4, then to the
+    next multiple of 8 (or the largest size)."""
     sizes = padded_batch_sizes(largest)
     assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == largest
     coverage = GraphCoverage(decode_max_requests=sizes[-1], max_blocks=4)
@@ -82,7 +81,7 @@ def test_decode_graph_sizes_cover_every_batch_the_scheduler_forms(largest):
         if count <= 4:
             assert size == min(largest, 1 << (count - 1).bit_length())
         else:
-            assert size == min(largest, padded_rows(count))
+            assert size == min(largest, -(-count // 8) * 8)
     assert not coverage.decode_graph(largest + 1, widest_blocks=4)
     with pytest.raises(ValueError, match=f"no captured batch size for {largest + 1} decodes"):
         padded_batch_size(largest + 1, sizes)

@@ -10,12 +10,10 @@ a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logit
 Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider than the
 captured width (longer contexts run eagerly): the runner's ``GraphCoverage``.
 
-The padded batch sizes are 1, 2, 4 and then the GEMM row buckets (``neo.runner.gemm_rows``) up
-to the largest batch: a batch of n >= 8 decodes replays the graph whose GEMMs run the rows an
-eager iteration of n decodes pads to, so the graphs add no GEMM rows beyond the eager path's
-padding, every GEMM shape they capture was already run by the start-up warm-up, and there are
-about half as many graphs to capture as with a graph per multiple of 8 (each capture runs the
-forward twice: a warm-up and the capture).
+The padded batch sizes are 1, 2, 4 and every multiple of 8 up to the largest batch. Coarser
+steps (the GEMM row buckets: multiples of 32 above 64) would halve the graphs to capture at
+start-up, but every padding row costs a replay its share of the GEMMs and the elementwise
+kernels, so batches between the coarser sizes would decode a little slower all the time.
 
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
@@ -31,17 +29,17 @@ import torch
 
 from neo.models.attention_metadata import AttentionMetadata
 from .batch_inputs import BatchInputs
-from .gemm_rows import padded_logits, row_buckets
+from .gemm_rows import padded_logits
 
 logger = logging.getLogger(__name__)
 
 
 def padded_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, then the GEMM row buckets below ``max_batch_size``, then ``max_batch_size``."""
+    """1, 2, 4, 8, then every multiple of 8, up to ``max_batch_size`` (included)."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = [size for size in (1, 2, 4) if size < max_batch_size]
-    sizes += [rows for rows in row_buckets(max_batch_size) if rows < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
     return sorted(set(sizes + [max_batch_size]))
 
 
