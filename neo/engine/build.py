@@ -151,6 +151,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                          f"{layout.block_bytes} bytes: raise cpu_kv_cache_gib")
     with startup.phase("KV pools"):
         kv_cache = KVCache(layout, device)
+    if device.type == "cuda" and layout.num_host_blocks:  # page-locking takes time in proportion to the pool
+        startup.note("KV pools", f"{layout.num_host_blocks * layout.block_bytes / GIB:.1f} GiB host pool page-locked")
     block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
 
     max_blocks_per_sequence = -(-max_model_len // config.block_size)
@@ -176,7 +178,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                            "(%s), which read metadata on the host, and a graph capture forbids that; "
                            "iterations run eagerly", ", ".join(python_ops), missing_kernel_note(python_ops[0], "cuda"))
             graph_context = None
-    if pad_rows and device.type == "cuda":  # first: the decode graphs' GEMMs then meet prepared shapes
+    if pad_rows and device.type == "cuda":  # before the graphs: batch sizes that are buckets capture prepared GEMMs
         with startup.phase("GEMM warm-up"):
             shapes = warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
         startup.note("GEMM warm-up", f"{shapes} shapes")
