@@ -59,8 +59,8 @@ class EngineConfig:
         reach the host: its input ids are taken on the device from the previous iteration's
         samples, and the previous tokens are read, checked against the stop conditions and
         returned while the device runs the new iteration (``LLMEngine``). A request that stops
-        has one more token computed, which is dropped. Policy gpu-only with one rank only; None:
-        on for gpu-only with one rank on CUDA (on the CPU nothing runs beside the host's work).
+        has one more token computed, which is dropped. Policy gpu-only with one rank only; off
+        unless set (on the CPU nothing runs beside the host's work, so it gains nothing there).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.
@@ -89,7 +89,7 @@ class EngineConfig:
     placement: str | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
-    async_scheduling: bool | None = None
+    async_scheduling: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -156,13 +156,6 @@ class EngineConfig:
                 raise ValueError(f"{setting.name} must be {names}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{setting.name} must be a finite number, got {value!r}")
-
-    @property
-    def schedules_ahead(self) -> bool:
-        """Whether the engine runs with ``async_scheduling`` (its default resolved)."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        return self.policy == "gpu-only" and self.tensor_parallel_size == 1 and self.compute_device.type == "cuda"
 
     @property
     def compute_device(self) -> torch.device:

@@ -65,7 +65,7 @@ def test_each_step_returns_the_previous_iterations_tokens():
             engine.close()
 
 
-def test_async_scheduling_is_off_by_default_on_the_cpu():
+def test_async_scheduling_is_off_by_default():
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", gpu_kv_cache_gib=gib_for_blocks(64)))
     try:
         engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))

@@ -96,7 +96,7 @@ def run_forced(policy: str, gpu_blocks: int, script: dict[int, list[int]], steps
                                     cpu_kv_cache_gib=gib_for_blocks(256, 2 * 4 * 2 * 16 * 32 * 2),
                                     perf_model="zero", max_num_seqs=8, use_cuda_graphs=False,
                                     host_pipeline="lockstep",  # every token through runner.execute
-                                    async_scheduling=False if policy == "gpu-only" else None))
+                                    async_scheduling=False))
     recorded = {}
     requests = {}
     current = []  # the requests of the iteration being executed, in logits-row order

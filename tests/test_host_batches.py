@@ -6,12 +6,15 @@ blocks only when its batch is done, and no request starves.
 """
 
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
+from neo.sched.arrivals import ArrivingWork
 from neo.sched.calibration import HostBatchInterference
 from neo.sched.perf_model import PerfModel
 from neo.sched.scheduler import Scheduler
@@ -81,11 +84,12 @@ def test_overflow_decodes_in_host_batches_beside_gpu_iterations():
     assert scheduler.block_manager.num_free(GPU) == 20 and scheduler.block_manager.num_free(HOST) == 400
 
 
-def running_requests(scheduler, location: KVLocation, count: int, prompt_len: int = 8) -> list[Request]:
+def running_requests(scheduler, location: KVLocation, count: int, prompt_len: int = 8,
+                     max_tokens: int = 1000) -> list[Request]:
     """``count`` requests already prefilled into ``location``'s pool, running."""
     requests = []
     for index in range(count):
-        request = Request(f"{location.value}{index}", [1] * prompt_len, SamplingParams(max_tokens=1000))
+        request = Request(f"{location.value}{index}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
         scheduler.block_manager.allocate(request, location)
         request.num_cached_tokens = request.num_tokens
         request.append_token(5)
@@ -116,6 +120,56 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
                 host_batch_seconds=None)
     expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
     assert launches == expected
+
+
+@pytest.mark.parametrize("waiting, admits", [(8, False), (200, True)])
+def test_the_host_pool_admits_only_requests_it_finishes_before_the_gpu_drains(waiting, admits):
+    """GPU: a full pool whose 10 requests have 4 tokens left, at 1700 tokens/s (17 decodes per
+    10 ms iteration); a host batch takes 10 ms and gains tokens above 17 requests. A waiting
+    request of 40 output tokens needs 40 host batches, 0.4 s: behind 7 more like it the GPU
+    alone drains everything in about 0.19 s, so the request would come back to the GPU pool
+    after a few host tokens and the host pool stays closed; behind 199 it takes about 4.7 s
+    and the host pool opens."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    gpu_requests = running_requests(scheduler, GPU, 10, max_tokens=5)
+    for request in requests_of(waiting, prompt_len=8, max_tokens=40):
+        scheduler.add(request)
+    pays, more_pay = scheduler.placement.economics(scheduler, gpu_requests, [])
+    assert (pays, more_pay) == (admits, admits)
+
+
+@pytest.mark.parametrize("output_per_s, drain_s", [(0.0, 2.0), (500.0, 4.0), (750.0, 8.0), (1000.0, math.inf),
+                                                    (1500.0, math.inf)])
+def test_the_gpu_drains_its_backlog_over_one_less_the_load_of_the_arrivals(output_per_s, drain_s):
+    """A backlog of 2000 output tokens at 1000 tokens/s is 2 s of GPU work; arrivals asking half
+    the GPU's rate double that, three quarters of it quadruple it, and all of it or more keep
+    the GPU from ever draining."""
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=PerfModel.zero())
+    gpu_requests = running_requests(scheduler, GPU, 10, max_tokens=201)  # 200 tokens left each
+    drain = scheduler.estimates.gpu_drain_time(gpu_requests, [], 1000.0, 2048, ArrivingWork(0.0, output_per_s))
+    assert drain == pytest.approx(drain_s)
+
+
+@pytest.mark.parametrize("interval, admits", [(1.0, False), (0.01, True)])
+def test_the_host_pool_stays_open_while_arrivals_saturate_the_gpu(interval, admits):
+    """The pools of the test above with 8 requests waiting, after a steady stream of requests
+    of 40 output tokens: one a second asks 40 tokens/s of a GPU making 1700, so the GPU still
+    drains in about 0.2 s and the host pool stays closed; one every 10 ms asks 4000 tokens/s,
+    more than the GPU makes, so it never drains and the host pool opens."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    gpu_requests = running_requests(scheduler, GPU, 10, max_tokens=5)
+    for index in range(32):
+        scheduler.arrivals.arrive(Request(f"past{index}", [1] * 8, SamplingParams(max_tokens=40),
+                                          arrival_time=index * interval))
+        scheduler.arrivals.decide()
+    for request in requests_of(8, prompt_len=8, max_tokens=40):
+        scheduler.add(request)
+    pays, more_pay = scheduler.placement.economics(scheduler, gpu_requests, [])
+    assert (pays, more_pay) == (admits, admits)
 
 
 def test_interference_is_the_slowdown_beside_host_batches_over_the_estimate_alone():

@@ -8,6 +8,7 @@ case ends with no request left and every KV block free.
 """
 
 import pytest
+import torch
 
 from engine_reference import PROMPTS, gib_for_blocks
 from fault_injection import Faults
@@ -21,6 +22,8 @@ SETTINGS = {
     "gpu-only": dict(policy="gpu-only", gpu_kv_cache_gib=gib_for_blocks(1024)),
     "neo-async": dict(policy="neo", gpu_kv_cache_gib=gib_for_blocks(10), host_pipeline="async"),
 }
+# The seeded children on every device this machine has (sampling on the GPU for CUDA).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MAX_TOKENS = 10
 
 
@@ -34,9 +37,10 @@ def assert_clean(engine: LLMEngine) -> None:
         assert engine.block_manager.num_free(pool) == engine.block_manager.num_total(pool)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_completion_i_equals_the_prompt_alone_with_seed_plus_i(setting):
-    llm = LLM("neo-tiny", **COMMON, **SETTINGS[setting])
+def test_completion_i_equals_the_prompt_alone_with_seed_plus_i(setting, device):
+    llm = LLM("neo-tiny", **(COMMON | {"device": device, "dtype": "float32"}), **SETTINGS[setting])
     try:
         parent, other = llm.generate([PROMPTS[1], PROMPTS[0]], [sampled(n=4), SamplingParams(max_tokens=4)])
         alone = [llm.generate(PROMPTS[1], sampled(seed=7 + index))[0].outputs[0] for index in range(4)]

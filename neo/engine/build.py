@@ -35,6 +35,7 @@ from neo.sched.stage_order import SEQUENTIAL, two_sub_batch_order
 from neo.tokenizer import load_tokenizer
 
 from .host_memory_check import available_host_bytes, check_host_memory
+from .startup_phases import StartupPhases
 from .stop import StopRule
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class EngineParts:
     profiler: Profiler | None  # measures stage times through the runner (offloading policies)
     scheduler: Scheduler
     asynchronous: bool  # the async or auto host pipeline: host batches beside the GPU's iterations
+    startup: StartupPhases  # where the construction spent its time (its clock still running)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -105,12 +107,14 @@ def host_attention_worker(config: EngineConfig, parallel: TensorParallel) -> Hos
 
 
 def build(config: EngineConfig, parallel: TensorParallel | None = None,
-          plan_channel: PlanChannel | None = None) -> EngineParts:
+          plan_channel: PlanChannel | None = None, startup: StartupPhases | None = None) -> EngineParts:
     """The parts of one engine, or of one rank of a tensor-parallel engine: ``parallel`` is the
     rank's group (None: one rank), ``plan_channel`` the driver's channel to the other ranks
-    (``neo.engine.rank_workers``; None on the other ranks, which only run their runner)."""
+    (``neo.engine.rank_workers``; None on the other ranks, which only run their runner).
+    ``startup``: the phases' clock to time the construction on (None: a new one)."""
     parallel = parallel or TensorParallel()
     device = rank_device(config, parallel)
+    startup = startup or StartupPhases(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     offloading = config.policy != "gpu-only"
@@ -125,15 +129,18 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     compute_pool_bytes = gpu_kv_cache_bytes(config, None, device, max_model_len) if device.type == "cpu" else 0
     check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
                       int(config.cpu_kv_cache_gib * GIB), available_host_bytes())
-    model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format, seed=config.seed,
-                       max_positions=max_model_len, parallel=parallel)
-    tokenizer = load_tokenizer(config.model)
+    with startup.phase("load model"):
+        model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format,
+                           seed=config.seed, max_positions=max_model_len, parallel=parallel)
+    with startup.phase("tokenizer"):
+        tokenizer = load_tokenizer(config.model)
     eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids
                               else model.config.eos_token_ids)
 
-    layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
-                                     gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
-                                     host_bytes=int(config.cpu_kv_cache_gib * GIB))
+    with startup.phase("KV budget"):  # on a GPU: a forward of the largest batch measures the activations
+        layout = CacheLayout.for_budgets(model.rank_config, dtype, config.block_size,
+                                         gpu_bytes=gpu_kv_cache_bytes(config, model, device, max_model_len),
+                                         host_bytes=int(config.cpu_kv_cache_gib * GIB))
     layout = smallest_over_ranks(layout, parallel)  # one block manager addresses every rank's pools
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: "
@@ -142,15 +149,20 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         raise ValueError(f"policy {config.policy!r} decodes on the host, but the host KV pool of "
                          f"cpu_kv_cache_gib={config.cpu_kv_cache_gib} holds no block of "
                          f"{layout.block_bytes} bytes: raise cpu_kv_cache_gib")
-    kv_cache = KVCache(layout, device)
+    with startup.phase("KV pools"):
+        kv_cache = KVCache(layout, device)
+    if device.type == "cuda" and layout.num_host_blocks:  # page-locking takes time in proportion to the pool
+        startup.note("KV pools", f"{layout.num_host_blocks * layout.block_bytes / GIB:.1f} GiB host pool page-locked")
     block_manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
 
-    worker = host_attention_worker(config, parallel) if offloading else None
     max_blocks_per_sequence = -(-max_model_len // config.block_size)
     pad_rows = config.pad_gemm_rows if config.pad_gemm_rows is not None else device.type == "cuda"
-    executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
-                                max_host_decodes=config.max_num_seqs, max_blocks_per_sequence=max_blocks_per_sequence,
-                                measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
+    with startup.phase("host pipeline"):
+        worker = host_attention_worker(config, parallel) if offloading else None
+        executor = PipelineExecutor(model, kv_cache, device, kernels if offloading else None, worker,
+                                    max_host_decodes=config.max_num_seqs,
+                                    max_blocks_per_sequence=max_blocks_per_sequence,
+                                    measure_gpu_busy=config.trace_path is not None, pad_rows=pad_rows)
     # "auto" runs both kinds of iteration in one engine: host batches, and lockstep iterations
     # (with their pipeline graphs) while no host batch is in flight.
     asynchronous = offloading and config.host_pipeline in ("async", "auto")
@@ -166,17 +178,23 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                            "(%s), which read metadata on the host, and a graph capture forbids that; "
                            "iterations run eagerly", ", ".join(python_ops), missing_kernel_note(python_ops[0], "cuda"))
             graph_context = None
+    if pad_rows and device.type == "cuda":  # before the graphs: batch sizes that are buckets capture prepared GEMMs
+        with startup.phase("GEMM warm-up"):
+            shapes = warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
+        startup.note("GEMM warm-up", f"{shapes} shapes")
     decode_graphs = pipeline_graphs = host_batches = None
     if graph_context is not None:
-        decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)
+        with startup.phase("decode CUDA graphs"):
+            decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)
+        startup.note("decode CUDA graphs", f"{len(decode_graphs.sizes)} batch sizes")
         if executor.stream_ordered_host_work and lockstep:
-            pipeline_graphs = PipelineGraphs(model, executor, config.max_num_seqs, graph_context, config.block_size,
-                                             device)
+            with startup.phase("host pipeline"):
+                pipeline_graphs = PipelineGraphs(model, executor, config.max_num_seqs, graph_context,
+                                                 config.block_size, device)
     if asynchronous:
-        host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
-                                       max_blocks_per_sequence, graph_context, pad_rows)
-    if pad_rows and device.type == "cuda":
-        warm_up_gemm_rows(model, config.max_num_batched_tokens, config.max_num_seqs)
+        with startup.phase("host pipeline"):
+            host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
+                                           max_blocks_per_sequence, graph_context, pad_rows)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
                          pipeline_graphs, host_batches, plan_channel)
 
@@ -186,7 +204,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                             ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
                             worker.num_threads, kernels.attention.name, stage_order)
         if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
-            perf_model = load_perf_model(config.perf_model, profiler)
+            with startup.phase("perf model"):
+                perf_model = load_perf_model(config.perf_model, profiler)
     estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order)
     scheduler = Scheduler(config, block_manager, placement, estimates,
                           finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))
@@ -195,4 +214,4 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                 layout.num_gpu_blocks, layout.num_gpu_blocks * layout.block_bytes / GIB, layout.num_host_blocks,
                 layout.num_host_blocks * layout.block_bytes / GIB)
     return EngineParts(model, tokenizer, dtype, max_model_len, layout, kv_cache, block_manager, worker, runner,
-                       profiler, scheduler, asynchronous)
+                       profiler, scheduler, asynchronous, startup)

@@ -21,6 +21,7 @@ from .build import build
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .parallel_sampling import ParentRequest, child_params, child_request_id
 from .rank_workers import RankWorkers
+from .startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,23 @@ class LLMEngine:
     With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it starts the other ranks
     (``RankWorkers``), and its runner hands them each plan; a failed rank fails the iteration it
     broke and every later step raises.
+
+    ``startup_seconds`` says where the construction spent its time: ``{phase: seconds, ...,
+    "other", "total"}`` (``neo.engine.startup_phases``), ``startup_notes`` what some phases did
+    (how many graphs, GEMM shapes); both are also logged as one line.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.compute_device
-        self.rank_workers = RankWorkers(config) if config.tensor_parallel_size > 1 else None
+        startup = StartupPhases(self.device)
+        self.rank_workers = None
+        if config.tensor_parallel_size > 1:
+            with startup.phase("rank workers"):
+                self.rank_workers = RankWorkers(config)
         try:
-            parts = (build(config) if self.rank_workers is None
-                     else build(config, self.rank_workers.parallel, self.rank_workers.channel))
+            parts = (build(config, startup=startup) if self.rank_workers is None
+                     else build(config, self.rank_workers.parallel, self.rank_workers.channel, startup))
         except BaseException as error:
             if self.rank_workers is not None:
                 rank_error = self.rank_workers.failure(error)
@@ -84,7 +93,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
         self._step_function = (self._step_with_host_batches if parts.asynchronous
-                               else self._step_ahead if config.schedules_ahead else self._step)
+                               else self._step_ahead if config.async_scheduling else self._step)
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
@@ -94,6 +103,9 @@ class LLMEngine:
         self._parent_of: dict[str, tuple[ParentRequest, int]] = {}
         self._request_counter = itertools.count()
         self._closed = False
+        self.startup_seconds = startup.finish()
+        self.startup_notes = dict(startup.notes)  # e.g. how many graphs a phase captured
+        logger.info(startup.summary())
 
     # -- requests ------------------------------------------------------------------------------
 

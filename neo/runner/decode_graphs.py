@@ -10,6 +10,11 @@ a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logit
 Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider than the
 captured width (longer contexts run eagerly): the runner's ``GraphCoverage``.
 
+The padded batch sizes are 1, 2, 4 and every multiple of 8 up to the largest batch. Coarser
+steps (the GEMM row buckets: multiples of 32 above 64) would halve the graphs to capture at
+start-up, but every padding row costs a replay its share of the GEMMs and the elementwise
+kernels, so batches between the coarser sizes would decode a little slower all the time.
+
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
 workspaces by stream), and ``torch.cuda.graph`` otherwise captures every graph on one shared
@@ -31,9 +36,20 @@ logger = logging.getLogger(__name__)
 
 def padded_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8, up to ``max_batch_size`` (included)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = [size for size in (1, 2, 4) if size < max_batch_size]
     sizes += list(range(8, max_batch_size, 8))
     return sorted(set(sizes + [max_batch_size]))
+
+
+def padded_batch_size(count: int, sizes: list[int]) -> int:
+    """The captured size a batch of ``count`` decodes replays: the smallest of ``sizes`` at or
+    above it (a ``ValueError`` when none is)."""
+    size = next((size for size in sizes if size >= count), None)
+    if size is None or count < 1:
+        raise ValueError(f"no captured batch size for {count} decodes (sizes {sizes[0]} to {sizes[-1]})")
+    return size
 
 
 def graph_block_width(max_context: int, block_size: int) -> int:
@@ -94,7 +110,7 @@ class DecodeGraphs:
         returns float32 logits ``[num_decodes, vocab]``."""
         meta = inputs.metadata
         count = meta.num_gpu_decodes
-        size = next(size for size in self.sizes if size >= count)
+        size = padded_batch_size(count, self.sizes)
         self.input_ids[:count].copy_(inputs.input_ids[:count], non_blocking=True)
         self.positions[:count].copy_(meta.positions[:count], non_blocking=True)
         self.slot_mapping[:count].copy_(meta.slot_mapping[:count], non_blocking=True)

@@ -16,13 +16,8 @@ have slot -1 and no attention), the logits GEMM's rows too (``padded_logits``), 
 rows anyway, so the padding costs little GEMM time.
 """
 
-import logging
-import time
-
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 # (largest row count, step): row counts up to the limit are rounded up to a multiple of step.
 _STEPS = ((64, 8), (512, 32))
@@ -59,11 +54,11 @@ def padded_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def warm_up(model, max_tokens: int, max_sequences: int) -> None:
+def warm_up(model, max_tokens: int, max_sequences: int) -> int:
     """Run each decoder-layer GEMM (as the layers call them: same weights' shapes, biases) for
     every bucket up to ``max_tokens`` rows, and the logits GEMM for every bucket up to
-    ``max_sequences`` rows, so serving meets no GEMM shape for the first time."""
-    started = time.perf_counter()
+    ``max_sequences`` rows, so serving meets no GEMM shape for the first time. Returns how
+    many GEMM shapes it ran."""
     linears = model.layers[0].gemm_weights()  # every layer's have the same shapes
     lm_head = model.logits_weight()
     token_buckets, sequence_buckets = row_buckets(max_tokens), row_buckets(max_sequences)
@@ -75,8 +70,4 @@ def warm_up(model, max_tokens: int, max_sequences: int) -> None:
             F.linear(buffer[:rows * weight.shape[1]].view(rows, weight.shape[1]), weight, bias)
     for rows in sequence_buckets:
         model.compute_logits(buffer[:rows * lm_head.shape[1]].view(rows, lm_head.shape[1]))
-    if buffer.is_cuda:
-        torch.cuda.synchronize(buffer.device)
-    logger.info("warmed up %d GEMM shapes (row buckets up to %d tokens, %d sequences) in %.1f s",
-                len(token_buckets) * len(linears) + len(sequence_buckets), max_tokens, max_sequences,
-                time.perf_counter() - started)
+    return len(token_buckets) * len(linears) + len(sequence_buckets)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from neo.request import KVLocation, Request
 
+from .arrivals import ArrivingWork
 from .block_manager import BlockManager
 from .calibration import HostTimeCalibration
 from .cost import StageTimes
@@ -14,6 +15,13 @@ from .graph_coverage import GraphCoverage, widest_gpu_table
 from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SubBatch
 from .stage_order import SEQUENTIAL, StageOrder
+
+
+def remaining_output(request: Request) -> int:
+    """Tokens ``request`` may still generate: its ``max_tokens`` less those it has, at least 1
+    (an end-of-sequence token may end it sooner; this is the bound)."""
+    return max(1, request.sampling_params.max_tokens - request.num_output_tokens)
+
 
 @dataclass
 class GpuWork:
@@ -113,6 +121,24 @@ class Estimates:
         else:
             seconds = self.sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
         return seconds, sum(host)
+
+    def gpu_drain_time(self, gpu_requests: list[Request], waiting: list[Request], gpu_rate: float,
+                       max_num_batched_tokens: int, arriving: ArrivingWork) -> float:
+        """Seconds the GPU alone needs to finish ``gpu_requests`` and to prefill and decode
+        ``waiting`` while work keeps arriving at ``arriving``'s rates. The backlog takes ``B``
+        seconds: the prompts in iterations of ``max_num_batched_tokens`` tokens, and every
+        remaining output token (``remaining_output``) at ``gpu_rate`` tokens per second. The
+        arriving work needs ``load`` GPU seconds per second at the same speeds, so each second
+        spent draining brings ``load`` seconds more: ``B * (1 + load + load**2 + ...) =
+        B / (1 - load)``. At ``load >= 1`` the arrivals keep the GPU saturated: it never drains."""
+        if gpu_rate <= 0:
+            return math.inf
+        prefill_per_token = self.perf_model.linear(max_num_batched_tokens) / max_num_batched_tokens
+        prompt_tokens = sum(r.num_tokens for r in waiting)
+        output_tokens = sum(map(remaining_output, gpu_requests)) + sum(map(remaining_output, waiting))
+        backlog = prefill_per_token * prompt_tokens + output_tokens / gpu_rate
+        load = prefill_per_token * arriving.prompt_tokens_per_s + arriving.output_tokens_per_s / gpu_rate
+        return backlog / (1 - load) if load < 1 else math.inf
 
     def steady_gpu_batch(self, gpu_requests: list[Request], host_requests: list[Request],
                          waiting_head: Request | None) -> SteadyGpuBatch:

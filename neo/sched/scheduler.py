@@ -26,7 +26,9 @@ a request that could never fit the GPU pool, no host request waits more than ``m
 iterations for a decode.
 
 Results come back through ``update``: the sampled tokens (appended, finished requests freed),
-the completed host batch, and the measured times, which correct later estimates.
+the completed host batch, and the measured times, which correct later estimates. The requests
+added between decisions and the iterations' times also give the rate at which work arrives
+(``ArrivalRate``), which the placement weighs against the backlog.
 
 Under async scheduling (``EngineConfig.async_scheduling``) the engine plans the next iteration
 before the tokens of the one running are known: ``advance`` gives each of its requests an
@@ -44,6 +46,7 @@ from collections.abc import Callable
 from neo.config import EngineConfig
 from neo.request import KVLocation, Request, RequestStatus
 
+from .arrivals import ArrivalRate
 from .block_manager import BlockManager
 from .estimates import Estimates
 from .placement import Placement
@@ -75,6 +78,7 @@ class Scheduler:
         self.finish_reason = finish_reason
         self.max_host_wait = max_host_wait
         self.waiting: deque[Request] = deque()
+        self.arrivals = ArrivalRate()  # the work arriving per second, for the placement's judgement
         self.running: list[Request] = []  # decoding, in the GPU pool or the host pool
         self.swapped: deque[Request] = deque()  # preempted to the host pool, waiting to come back
         # Keep a few GPU blocks back when admitting, so one more decode token rarely preempts.
@@ -93,7 +97,10 @@ class Scheduler:
     # -- queues --------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if not self.has_unfinished:  # idle: the arrivals so far did not keep the engine busy
+            self.arrivals.restart()
         self.waiting.append(request)
+        self.arrivals.arrive(request)
 
     def abort(self, request: Request, reason: str = "abort") -> None:
         """End a request; its blocks are free when this returns, unless a host batch in flight
@@ -132,6 +139,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
         self._evictions = 0
+        self.arrivals.decide()
         plan = SchedulerOutput()
         batch0 = SubBatch()
         host_requests = self._make_decode_slots(batch0, plan)
@@ -373,6 +381,7 @@ class Scheduler:
         got a token, plan's first."""
         decoded = []
         if output is not None:
+            self.arrivals.elapse(output.seconds)
             self.placement.observe(self, plan, output)
             decoded += self._append(list(zip(plan.requests, output.tokens)))
         if host_batch is not None:

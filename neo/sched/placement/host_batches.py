@@ -18,9 +18,15 @@ them ``(1 - 1/s) * T`` seconds, and at least ``linear(n)`` (the only cost before
 measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) makes
 ``gpu_rate * cost`` tokens, so a host batch of ``n`` decodes gains ``n - gpu_rate * cost``
 tokens: it pays when that is positive. New requests go to the host pool while a larger host
-population would gain more. A batch is launched when it pays, when the GPU has nothing else to
-do (``full-offload``, or no GPU work this iteration), or when its oldest request has waited
-``max_host_wait`` iterations: host requests always progress.
+population would gain more, and only while the host would finish the oldest waiting request
+(its remaining output, one token per host batch) before the GPU alone drains the rest of the
+work, the work still arriving included (``host_finishes_first``): when the GPU pool is short
+only for a while, a request put in the host pool comes back to it after a few host tokens,
+which repay neither the copy back nor the GPU iterations the host batches slowed; while
+arrivals keep the GPU saturated, it never drains and the host pool stays open. A batch is
+launched when it pays, when the GPU has nothing else to do (``full-offload``, or no GPU work
+this iteration), or when its oldest request has waited ``max_host_wait`` iterations: host
+requests always progress.
 
 A host batch is estimated by the cost function of its order (``linear(n)`` + host attention +
 the profiled ``host_batch_overhead``), host attention corrected online by the host time each
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from neo.request import Request
 
 from ..calibration import HostBatchInterference
+from ..estimates import remaining_output
 from ..runner_output import IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 from ..stage_order import HOST_BATCH, SEQUENTIAL
@@ -192,7 +199,8 @@ class HostBatches(Placement):
     def economics(self, scheduler, gpu_requests: list[Request], host_requests: list[Request]) -> tuple[bool, bool]:
         """(do host decodes pay, would more of them pay) for a steady decode iteration's GPU
         rate: a host population of ``n`` gains ``n - gpu_rate * cost(n)`` tokens per host
-        batch; "more" adds requests like the oldest waiting one (``Scheduler.extra_requests``)."""
+        batch; "more" adds requests like the oldest waiting one (``Scheduler.extra_requests``),
+        only where the host would finish it before the GPU drains (``host_finishes_first``)."""
         estimates = scheduler.estimates
         steady = estimates.steady_gpu_batch(gpu_requests, host_requests, scheduler.waiting[0] if scheduler.waiting else None)
         gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else 0.0
@@ -202,6 +210,27 @@ class HostBatches(Placement):
             return requests - gpu_rate * self.gpu_cost(estimates, requests, context) if requests else 0.0
 
         current = gain(len(host_requests), host_context)
-        best_more = max((gain(len(host_requests) + extra, host_context + context)
-                         for extra, context in scheduler.extra_requests()), default=0.0)
+        extras = scheduler.extra_requests()  # none when nothing waits
+        if extras and not self.host_finishes_first(scheduler, gpu_requests, host_requests, gpu_rate):
+            extras = []
+        best_more = max((gain(len(host_requests) + extra, host_context + context) for extra, context in extras),
+                        default=0.0)
         return max(current, best_more) > 0, best_more > max(current, 0.0)
+
+    def host_finishes_first(self, scheduler, gpu_requests: list[Request], host_requests: list[Request],
+                            gpu_rate: float) -> bool:
+        """Whether the oldest waiting request, put in the host pool now, would finish there
+        before the GPU alone drains the rest of the work: its remaining output, one token per
+        host batch of the host population with it, against ``Estimates.gpu_drain_time`` of the
+        GPU requests and the requests waiting behind it at ``gpu_rate``, with the work still
+        arriving (``Scheduler.arrivals``). If not, the GPU pool is short only for a while: the
+        request would return to the GPU pool once that has room, after a few host tokens that do
+        not repay the copy back and the GPU iterations its host batches slowed, or straggle on
+        the host after the GPU has finished. While arrivals keep the GPU saturated it never
+        drains, and the host pool stays open."""
+        head, *behind = scheduler.waiting
+        seconds, _ = self.host_batch_time(scheduler.estimates, [*host_requests, head])
+        drain = scheduler.estimates.gpu_drain_time(gpu_requests, behind, gpu_rate,
+                                                   scheduler.config.max_num_batched_tokens,
+                                                   scheduler.arrivals.arriving_work())
+        return remaining_output(head) * seconds <= drain
