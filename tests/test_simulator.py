@@ -233,6 +233,35 @@ def test_no_host_attention_makes_neo_plan_as_gpu_only(override):
 # -- errors and the command line --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("model, waited_layers", [("qwen2.5-32b", 64 - 56), ("llama-3.1-8b", 0)])
+def test_launching_a_host_batch_holds_the_engine_until_the_driver_queues_its_host_functions(model, waited_layers):
+    """Async neo: each host batch's launch moves the clock on by its host attention's share of
+    the layers beyond ``queued_host_functions`` (none for a model of fewer layers), before the
+    GPU iteration planned with it starts."""
+    config = Scenario(model=model, hardware=preset("h100"), workload="synthetic:input=1,output=1",
+                      num_requests=1, policies=("neo",), gpu_kv_cache_gib=1.0,
+                      cpu_kv_cache_gib=32.0).engine_config("neo")
+    table = synthesize_table(resolve_model_config(model), preset("h100"), max_num_batched_tokens=8192,
+                             max_num_seqs=256, max_model_len=4096, pool_tokens=1 << 20)
+    simulation = Simulation(config, resolve_model_config(model), preset("h100"), table, 4096)
+    launched = []
+    original = simulation.launch
+
+    def launch(plan):
+        before = simulation.clock
+        original(plan)
+        launched.append((simulation.clock - before, simulation.in_flight.host_seconds))
+
+    simulation.launch = launch
+    result = simulation.run(parse_workload("synthetic:input=500,output=100", 60))
+    assert result.host_batches == len(launched) > 0
+    for held, host in launched:
+        assert held == pytest.approx(host * waited_layers / resolve_model_config(model).num_layers, rel=1e-9)
+    assert all(held > 0 for held, _ in launched) == (waited_layers > 0)
+    with pytest.raises(ValueError, match="queued_host_functions must be a whole number, got 2.5"):
+        with_overrides(preset("h100"), {"queued_host_functions": 2.5})
+
+
 def test_bad_hardware_and_overrides_are_clear_errors():
     with pytest.raises(ValueError, match="unknown hardware 'h200'; choose one of h100, a100, g4dn.4xlarge"):
         preset("h200")

@@ -51,6 +51,11 @@ class Hardware:
     # GPU iterations beside a host batch run at least this many times slower (its host threads
     # share the host with the launching thread; measured on the H100 with 32B shapes).
     host_batch_slowdown: float = 1.10
+    # Host functions the CUDA driver queues on a stream before a launch waits for earlier ones
+    # to run: launching a host batch's graph of one host function per layer returns once no
+    # more than this many are left (measured on the H100 with driver 580: a 64-layer graph's
+    # launch returned after its first 8 host functions, whatever their length).
+    queued_host_functions: int = 56
 
     @property
     def dtype(self) -> str:
@@ -143,7 +148,11 @@ FIELD_HELP = {
     "host_batch_overhead_us": "a host batch's launches and hand-offs, per layer, microseconds",
     "iteration_overhead_us": "input preparation and sampling, per iteration, microseconds",
     "host_batch_slowdown": "GPU iterations' slowdown while a host batch runs beside them",
+    "queued_host_functions": "host functions the driver queues on a stream before a launch waits",
 }
+
+
+WHOLE_NUMBERS = ("host_cores", "queued_host_functions")
 
 
 def preset(name: str) -> Hardware:
@@ -165,9 +174,9 @@ def with_overrides(hardware: Hardware, overrides: dict[str, float | None]) -> Ha
             raise ValueError(f"unknown hardware field {name!r}; fields: {', '.join(OVERRIDABLE)}")
         if value < 0:
             raise ValueError(f"hardware field {name} must be >= 0, got {value}")
-        if name == "host_cores" and value != int(value):
-            raise ValueError(f"hardware field host_cores must be a whole number, got {value}")
-        changes[name] = int(value) if name == "host_cores" else float(value)
+        if name in WHOLE_NUMBERS and value != int(value):
+            raise ValueError(f"hardware field {name} must be a whole number, got {value}")
+        changes[name] = int(value) if name in WHOLE_NUMBERS else float(value)
     result = dataclasses.replace(hardware, **changes)
     for name in ("gpu_memory_gib", "hbm_gbps"):
         if getattr(result, name) <= 0:

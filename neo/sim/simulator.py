@@ -14,7 +14,10 @@ collected, as in the engine, after the first step whose GPU work ends past that 
 GPU work waits for it, or for the next arrival). Its ``pre``/``post`` stages share the GPU with
 the iterations that run beside it: an iteration alone ``d`` seconds long progresses at
 ``1 / (1 + linear(n) / T)`` of its speed while a batch of ``n`` decodes lasting ``T`` is in
-flight.
+flight. Launching the batch holds the engine's thread, and so the GPU's next iteration, until
+the CUDA driver has room for the batch's host functions (one per layer): for a model of more
+layers than the driver queues (``Hardware.queued_host_functions``), until the first layers'
+host attention has run.
 
 Requests arrive at their workload offsets (all at once without them); outputs are forced to
 their lengths, as ``neo bench`` forces them.
@@ -145,6 +148,7 @@ class Simulation:
         self.hardware = hardware
         self.parts: SchedulingParts = build_parts(config, model, hardware, table, max_model_len)
         self.max_model_len = max_model_len
+        self.num_layers = model.num_layers
         self.on_iteration = on_iteration
         self.clock = 0.0
         self.in_flight: HostBatchInFlight | None = None
@@ -182,6 +186,14 @@ class Simulation:
         self.in_flight = HostBatchInFlight(list(requests), self.clock + seconds, seconds, host,
                                            max(1 + gpu_share, self.hardware.host_batch_slowdown))
         self.host_batches.append(self.in_flight)
+        self.clock += self.launch_seconds(host)
+
+    def launch_seconds(self, host: float) -> float:
+        """How long launching a host batch of ``host`` seconds of host attention holds the
+        engine's thread: until no more than ``queued_host_functions`` of its per-layer host
+        functions are left to run."""
+        waited_layers = max(0, self.num_layers - self.hardware.queued_host_functions)
+        return host * waited_layers / self.num_layers
 
     def execute(self, plan: SchedulerOutput) -> IterationOutput | None:
         if plan.is_empty:
