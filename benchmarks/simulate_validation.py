@@ -8,7 +8,9 @@
    and (32B) from the measured profile. The measured figures are steady-window ratios of runs
    cut at a time limit (``neo.bench``: the window from 20% of the run to its end), so each
    scenario is simulated with the same request count and time limit and its steady window is
-   compared; the simulated ratio over the whole run to completion is shown beside it.
+   compared; the simulated ratio over the whole run to completion is shown beside it. Runs
+   measured to completion are compared end to end. Each measured figure names the engine it
+   came from: where the scheduler has changed since, the row compares two schedulers.
 3. Iteration and host batch times: simulated against those measured.
 4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
 
@@ -30,26 +32,37 @@ from neo.sim.stage_times import StageModel, synthesize_table
 PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
 POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_model_len=4096)
 
-# (label, scenario settings, requests, seconds, measured neo/gpu-only ratios, where measured)
+# (label, scenario settings, requests, seconds, measured neo/gpu-only ratios, where measured). The
+# scheduler changed between some of these measurements and the current code (the engine's commit is
+# named where it differs from the current scheduler's): those rows compare two schedulers.
 H100_SCENARIOS = [
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
-     200, 30, (1.83,), "RESULTS.md, 2026-11-25 sixth session"),
+     200, 30, (1.91,), "2026-11-25 ninth session, current scheduler (28734b7)"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
-     256, 50, (1.93,), "RESULTS.md, 2026-11-25 fourth session"),
+     200, 30, (1.83,), "2026-11-25 sixth session, 9cf64e2"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
+     256, 50, (1.93,), "2026-11-25 fourth session, 384a805"),
     ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
-     200, 30, (1.21,), "RESULTS.md, 2026-11-25 sixth session"),
+     200, 30, (1.21,), "2026-11-25 sixth session, 9cf64e2"),
     ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
-     256, 50, (1.42, 1.51), "RESULTS.md, 2026-11-25 fourth session, two starts"),
+     256, 50, (1.42, 1.51), "2026-11-25 fourth session, 384a805, two starts"),
     ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
      200, 90, (1.69,), "journal 2026-11-25 first session (54a3b7d)"),
 ] + [
     (f"8B poor 1000/{output}", dict(model="llama-3.1-8b", workload=f"synthetic:input=1000,output={output}", **POOR),
-     200, 20, (ratio,), "RESULTS.md, 2026-11-25 fourth session")
+     200, 20, (ratio,), "2026-11-25 fourth session, 384a805")
     for output, ratio in ((50, 1.19), (100, 1.30), (200, 1.22), (300, 1.19), (400, 1.24))
 ] + [
     ("8B full memory, Azure code", dict(model="llama-3.1-8b", workload="azure-code", cpu_kv_cache_gib=64.0,
                                         max_num_seqs=512, max_model_len=8192),
-     256, 30, (1.00, 1.01), "RESULTS.md, 2026-11-25 fourth session, two starts"),
+     256, 30, (1.00, 1.01), "2026-11-25 fourth session, 384a805, two starts"),
+]
+
+SHORT = dict(model="llama-3.1-8b", workload="synthetic:input=370,output=45", **POOR)
+# (label, scenario settings, requests, measured end-to-end neo/gpu-only ratio, where measured)
+H100_WHOLE_RUNS = [
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2344.7 / 2315.9,
+     "2026-11-25 ninth session, current scheduler (28734b7)"),
 ]
 
 
@@ -110,6 +123,11 @@ def h100_scenarios() -> None:
         print(f"| {label} | {requests}, {seconds} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | "
               f"{cells[0]} | {cells[1]} | {cut[0].steady_output_tokens_per_s:.0f} / "
               f"{cut[1].steady_output_tokens_per_s:.0f} |")
+    print("Whole runs to completion (end-to-end output tokens/s):\n")
+    print("| scenario | requests | measured | numbers alone (error) |\n| --- | --- | --- | --- |")
+    for label, settings, requests, measured, source in H100_WHOLE_RUNS:
+        whole = ratios(simulate(settings, hardware, requests, None))[1]
+        print(f"| {label} | {requests} | {measured:.2f}x ({source}) | {whole:.2f}x ({whole / measured - 1:+.0%}) |")
     print()
 
 
@@ -125,10 +143,13 @@ def iteration_times() -> None:
         seconds = PerfModel(table).graph_decode(batch, batch * 1024)
         print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline) | "
               f"{measured:.2f} ms | {1e3 * seconds:.2f} ms | - |")
-    runs = [("500/500", 256, 50, "prefill step 0.876 s", None),
-            ("1000/300", 256, 50, "prefill step 0.865-0.906 s", None),
-            ("500/500", 300, 60, "host batch 281 requests, 0.53 s", "journal 2026-11-25 first"),
-            ("1000/300", 200, 90, "host batch 172.5 requests, 0.72 s", "journal 2026-11-25 first")]
+    current = "2026-11-25 ninth session, current scheduler (28734b7)"
+    runs = [("500/500", 200, 30, "prefill step 0.123 s", current),
+            ("500/500", 200, 30, "host batch 103 requests, 0.27 s", current),
+            ("500/500", 256, 50, "prefill step 0.876 s", "2026-11-25 fourth session, 384a805"),
+            ("1000/300", 256, 50, "prefill step 0.865-0.906 s", "2026-11-25 fourth session, 384a805"),
+            ("500/500", 300, 60, "host batch 281 requests, 0.53 s", "journal 2026-11-25 first, 54a3b7d"),
+            ("1000/300", 200, 90, "host batch 172.5 requests, 0.72 s", "journal 2026-11-25 first, 54a3b7d")]
     for shape, requests, seconds, measured, source in runs:
         prompt, output = shape.split("/")
         settings = dict(model="qwen2.5-32b", workload=f"synthetic:input={prompt},output={output}", **POOR)
@@ -147,7 +168,7 @@ def iteration_times() -> None:
             else:
                 cells.append(f"host batch {neo['host_batch_requests']['p50']} requests, "
                              f"{neo['host_batch_s']['p50']:.2f} s")
-        print(f"| 32B poor {shape}, neo, {requests} requests, {seconds} s ({source or 'RESULTS.md'}) | {measured} | "
+        print(f"| 32B poor {shape}, neo, {requests} requests, {seconds} s ({source}) | {measured} | "
               f"{cells[0]} | {cells[1]} |")
     print()
 
