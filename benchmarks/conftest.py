@@ -1,6 +1,6 @@
 """Shared pieces of the pytest-benchmark kernel benchmarks: the size of the working set that makes
 a kernel read from DRAM, the read-bandwidth probe measured the same way, and a compact summary
-table printed at the end of the session.
+table printed at the end of the session (the probe itself: ``read_probe.py``).
 
 A kernel that reads the same few hundred MiB on every call is served partly from the last-level
 cache, and its bytes per second then exceed what DRAM delivers. The benchmarks therefore keep a
@@ -18,13 +18,12 @@ import glob
 import math
 import os
 import platform
-import time
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from neo.kv.host_memory import huge_page_zeros
+from read_probe import PROBE_ROUNDS, PROBE_SLICES, measure_read_bandwidth
 
 GIB = 1 << 30
 # The working set: this many GiB unless --kv-working-set-gib says otherwise, and never less than
@@ -33,10 +32,6 @@ DEFAULT_WORKING_SET_GIB = 8.0
 MIN_CACHE_MULTIPLE = 4
 MIN_WORKING_SET_GIB = 1.0
 DEFAULT_SECONDS_PER_BENCHMARK = 1.5
-# The probe reads its buffer in this many slices, one per call, in turn.
-PROBE_SLICES = 8
-# The probe's figure is its fastest call out of this many rounds over all slices.
-PROBE_ROUNDS = 2
 
 # Thread counts the kernels run on: all cores, and all but one (one core left to the thread that
 # drives the GPU in the engine).
@@ -139,49 +134,6 @@ def working_set_bytes(request) -> int:
     return int(request.config.getoption("--kv-working-set-gib") * GIB)
 
 
-@dataclass
-class ReadProbe:
-    """A float32 buffer of the working set's size in huge pages, summed one slice per call.
-
-    ``buffer`` is ``[PROBE_SLICES, slice_elements]``; ``read_next()`` sums the next slice.
-    """
-
-    buffer: torch.Tensor
-    next_slice: int = 0
-
-    @classmethod
-    def allocate(cls, nbytes: int) -> "ReadProbe":
-        slice_elements = nbytes // 4 // PROBE_SLICES
-        buffer = huge_page_zeros((PROBE_SLICES, slice_elements), torch.float32)
-        buffer.fill_(1.0)
-        return cls(buffer)
-
-    @property
-    def slice_bytes(self) -> int:
-        return self.buffer[0].numel() * 4
-
-    def read_next(self) -> torch.Tensor:
-        total = self.buffer[self.next_slice].sum()
-        self.next_slice = (self.next_slice + 1) % PROBE_SLICES
-        return total
-
-
-def measure_read_bandwidth(nbytes: int, threads: int) -> float:
-    """GB/s of the fastest slice sum of a rotated ``nbytes`` probe on ``threads`` threads."""
-    probe = ReadProbe.allocate(nbytes)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for _ in range(PROBE_SLICES):
-            probe.read_next()
-        best = float("inf")
-        for _ in range(PROBE_ROUNDS * PROBE_SLICES):
-            start = time.perf_counter()
-            probe.read_next()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous_threads)
-    return probe.slice_bytes / best / 1e9
 
 
 @dataclass

@@ -23,7 +23,11 @@ two-sub-batch iterations, how much of the host attention hid under GPU work (1 -
 host busy) and the GPU idle time; for the host batches of the async host pipeline
 (``--host-pipelines lockstep,async`` runs each offloading policy both ways), their number,
 prediction error, and how much of their host attention hid under GPU work (1 - the time steps
-with no GPU work waited for them / host busy).
+with no GPU work waited for them / host busy). For host batches it also reports the host side
+against its bound: host decode tokens per second of host-batch time, and the bound, the host's
+read bandwidth (a ``torch.sum`` probe over a rotated buffer of ``--read-probe-gib`` GiB on the
+engine's host attention threads, ``read_probe.py``) over the K/V bytes a host decode read on
+average (its context's K and V over every layer).
 
     python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
 """
@@ -43,6 +47,8 @@ import tempfile
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import release_device_memory, run_offline_benchmark
+from neo.runner.host_worker import default_cpu_attention_threads
+from read_probe import measure_read_bandwidth
 
 POLICIES = ("gpu-only", "neo", "full-offload")
 
@@ -132,6 +138,20 @@ def trace_statistics(trace: list[dict]) -> dict:
     }
 
 
+def host_side(trace: list[dict], kv_bytes_per_token: int) -> dict | None:
+    """The host batches' decode rate and K/V read rate (per second of host-batch time, one batch
+    in flight at a time), and the K/V bytes a host decode read on average; None without host
+    batches."""
+    batches = [r for r in trace if r["host_batch"]]
+    seconds = sum(r["measured_seconds"] for r in batches)
+    tokens = sum(r["host_decodes"] for r in batches)
+    if not tokens or seconds <= 0:
+        return None
+    kv_bytes = sum(r["host_context_tokens"] for r in batches) * kv_bytes_per_token
+    return {"host_decode_tokens_per_s": tokens / seconds, "kv_bytes_per_host_token": kv_bytes / tokens,
+            "host_kv_read_gbps": kv_bytes / seconds / 1e9, "host_batch_seconds": seconds}
+
+
 def policy_label(config: EngineConfig) -> str:
     """The policy, with ``/async`` under the async host pipeline."""
     return config.policy + ("/async" if config.policy != "gpu-only" and config.host_pipeline == "async" else "")
@@ -163,6 +183,8 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                 result["trace"] = trace_statistics(records)
                 interference = getattr(engine.scheduler, "interference", None)  # async host pipeline
                 result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
+                layout = engine.kv_cache.layout
+                result["host_side"] = host_side(records, layout.block_bytes // layout.block_size)
                 if traces_directory is not None:
                     result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
@@ -192,10 +214,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the scenario's, else 4096")
     parser.add_argument("--perf-model", default="auto")
     parser.add_argument("--model", default=None, help="override the scenario's model")
+    parser.add_argument("--gpu-kv-cache-gib", type=float, default=None, help="override the scenario's GPU pool")
     parser.add_argument("--cpu-kv-cache-gib", type=float, default=None, help="override the scenario's host pool")
     parser.add_argument("--output-dir", default=".")
     parser.add_argument("--keep-traces", action="store_true",
                         help="also write each run's per-iteration trace (trace-*.json.gz)")
+    parser.add_argument("--read-probe-gib", type=float, default=8.0,
+                        help="buffer of the host read-bandwidth probe the host side is judged against (0: none)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -204,7 +229,7 @@ def main() -> None:
     policies = args.policies.split(",") if args.policies else list(scenario.get("policies", POLICIES))
     workloads = args.workloads.split(";") if args.workloads else scenario["workloads"]
     base = EngineConfig(model=args.model or scenario["model"], load_format="dummy", dtype="bfloat16",
-                        gpu_kv_cache_gib=scenario["gpu_kv_cache_gib"],
+                        gpu_kv_cache_gib=args.gpu_kv_cache_gib or scenario["gpu_kv_cache_gib"],
                         cpu_kv_cache_gib=args.cpu_kv_cache_gib or scenario["cpu_kv_cache_gib"],
                         max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
@@ -227,12 +252,24 @@ def main() -> None:
     runs_to_make = [(policy, threads, pipeline) for policy in policies
                     for threads in (thread_counts if policy != "gpu-only" else (None,))
                     for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])]
+    probes = {}  # host attention threads -> GB/s, measured before any engine holds memory
+    if args.read_probe_gib > 0:
+        for threads in {threads or default_cpu_attention_threads() for policy, threads, _ in runs_to_make
+                        if policy != "gpu-only"}:
+            probes[threads] = measure_read_bandwidth(int(args.read_probe_gib * (1 << 30)), threads)
+            print(f"host read probe: {probes[threads]:.1f} GB/s on {threads} threads", flush=True)
+    report["host_read_gbps"] = probes
     for policy, threads, pipeline in runs_to_make:
         config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads, host_pipeline=pipeline)
         label = policy_label(config)
         print(f"{args.scenario}: {label}" + (f", {threads} host threads" if threads else ""), flush=True)
         for result in run_policy(config, workloads, args.num_requests, args.duration,
                                  args.output_dir if args.keep_traces else None):
+            probe = probes.get(threads or default_cpu_attention_threads())
+            if result.get("host_side") and probe:
+                bound = probe * 1e9 / result["host_side"]["kv_bytes_per_host_token"]
+                result["host_side"] |= {"host_read_gbps": probe, "bound_tokens_per_s": bound,
+                                        "share_of_bound": result["host_side"]["host_decode_tokens_per_s"] / bound}
             runs.append({**result, "policy": label, "threads": threads})
             report["device"] = result["device"]
             with open(path, "w") as file:  # after every run, so a cut-off sweep keeps its part
@@ -265,6 +302,17 @@ def main() -> None:
               f"{run['steady_output_tokens_per_s']:13.1f} {over_baseline('steady_output_tokens_per_s'):7.2f} "
               f"{share:8.2f} {trace['host_batches']:8d} "
               f"{shown(error, 3):>9} {shown(batch_error, 3):>7} {shown(host_ratio, 2):>9} {shown(hidden, 2):>7}")
+    host_runs = [run for run in runs if run.get("host_side")]
+    if host_runs:
+        print("host side (per second of host-batch time): host decode tokens/s, the bound (host read GB/s over "
+              "the K/V bytes of an average host decode) and the share of it")
+        for run in host_runs:
+            side = run["host_side"]
+            bound = (f"{side['bound_tokens_per_s']:10.1f} {100 * side['share_of_bound']:5.0f}% "
+                     f"({side['host_read_gbps']:.1f} GB/s / {side['kv_bytes_per_host_token'] / 1e6:.1f} MB)"
+                     if "bound_tokens_per_s" in side else "  (no probe)")
+            print(f"{run['workload']:<34} {run['policy']:<19} {run['threads'] or '-':>4} "
+                  f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s")
     print(f"written {path}")
 
 

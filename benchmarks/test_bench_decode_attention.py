@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import neo.ops
 from neo.kv.host_memory import huge_page_zeros
 
-from conftest import DRAM, IN_CACHE, THREAD_COUNTS, ReadProbe, require_memory
+from conftest import DRAM, IN_CACHE, THREAD_COUNTS, require_memory
+from read_probe import ReadProbe
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (num_seqs, context_len): >= 64K tokens per call

@@ -558,7 +558,8 @@ class LLMEngine:
                 predicted_host_seconds=flight.predicted_host_time, profiled_host_seconds=flight.profiled_host_time,
                 measured_seconds=result.seconds, launch_seconds=0.0, queue_seconds=0.0,
                 host_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
-                graph_replayed=result.replayed_graph, host_batch=True, host_batch_wait_seconds=result.wait_seconds))
+                graph_replayed=result.replayed_graph, host_batch=True, host_batch_wait_seconds=result.wait_seconds,
+                host_context_tokens=sum(request.num_tokens for request in result.requests)))
 
     def _device_segments_freed(self) -> int | None:
         """Segments the device's caching allocator has returned so far (traced CUDA engines only)."""
@@ -580,7 +581,8 @@ class LLMEngine:
             measured_seconds=output.seconds, launch_seconds=launch_seconds, queue_seconds=output.queue_seconds,
             host_busy_seconds=output.host_seconds, gpu_busy_seconds=output.gpu_busy_seconds,
             schedule_seconds=schedule_seconds, graph_replayed=output.replayed_graph,
-            device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before)))
+            device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before),
+            host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes)))
 
     def close(self) -> None:
         """Release the pools and the host worker; later calls of ``add_request`` and ``step``

@@ -56,6 +56,9 @@ class IterationRecord:
     # work waited for it.
     host_batch: bool = False
     host_batch_wait_seconds: float | None = None
+    # Context tokens the host decodes attended over, summed over them (their K/V bytes are what
+    # host attention reads: these tokens times the layout's bytes per token).
+    host_context_tokens: int = 0
 
 
 @dataclass

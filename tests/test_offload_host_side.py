@@ -1,0 +1,63 @@
+"""The host side of ``benchmarks/offload.py``: the host batches' decode rate and the K/V bytes a
+host decode reads, from a real engine's trace (neo-tiny on the CPU, async host pipeline)."""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from engine_reference import PROMPTS, gib_for_blocks
+from neo import EngineConfig, LLMEngine, SamplingParams
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def offload():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import offload
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return offload
+
+
+def traced_run(tmp_path, policy: str) -> tuple[list[dict], LLMEngine]:
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", policy=policy, host_pipeline="async",
+                                    gpu_kv_cache_gib=gib_for_blocks(10), cpu_kv_cache_gib=gib_for_blocks(256),
+                                    perf_model="zero", max_num_seqs=8, trace_path=str(tmp_path / "trace.json")))
+    try:
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                               request_id=str(index))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [dataclasses.asdict(record) for record in engine.trace.records], engine
+    finally:
+        engine.close()
+
+
+def test_host_batches_decode_rate_and_kv_bytes_per_host_decode(offload, tmp_path):
+    records, engine = traced_run(tmp_path, "neo")
+    batches = [r for r in records if r["host_batch"]]
+    assert batches, "the run made no host batch"
+    longest = max(len(prompt) for prompt in PROMPTS) + 12
+    for record in batches:  # every host decode attends over its prompt and the tokens it has
+        assert record["host_decodes"] * min(map(len, PROMPTS)) <= record["host_context_tokens"] \
+            <= record["host_decodes"] * longest
+    layout = engine.kv_cache.layout
+    bytes_per_token = layout.block_bytes // layout.block_size
+    side = offload.host_side(records, bytes_per_token)
+    tokens = sum(r["host_decodes"] for r in batches)
+    seconds = sum(r["measured_seconds"] for r in batches)
+    assert side["host_decode_tokens_per_s"] == pytest.approx(tokens / seconds)
+    assert side["kv_bytes_per_host_token"] == pytest.approx(
+        sum(r["host_context_tokens"] for r in batches) * bytes_per_token / tokens)
+    assert side["host_kv_read_gbps"] == pytest.approx(side["kv_bytes_per_host_token"] * tokens / seconds / 1e9)
+
+
+def test_no_host_batches_no_host_side(offload, tmp_path):
+    records, _ = traced_run(tmp_path, "gpu-only")
+    assert all(r["host_context_tokens"] == 0 for r in records)
+    assert offload.host_side(records, 1024) is None
