@@ -13,7 +13,8 @@
 #   engine-tests the engine on CUDA: the host stage and pipeline graphs, float32 tokens vs CPU and
 #                transformers, bf16 logits, the model families, stage orders, CPU attention kernels
 #                and the op registry
-#   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline, offline throughput
+#   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline (async scheduling on, then off),
+#                offline throughput
 #   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes;
 #                HANDOFF_MODELS, HANDOFF_ARGS)
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
@@ -126,9 +127,11 @@ stage_engine_tests() {
     tests/test_register_kernel.py tests/test_op_registry.py --junitxml="$out/files/engine-tests.xml"
 }
 
-stage_engine() {
+stage_engine() {  # the roofline with async scheduling and without it, then offline throughput
   run roofline python3 benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024 \
     --json "$out/files/engine_roofline.json"
+  run roofline-sync python3 benchmarks/engine_roofline.py --model llama-3.1-8b --batch-sizes 64,256 --context 1024 \
+    --no-async-scheduling --json "$out/files/engine_roofline_sync.json"
   for workload in "synthetic:input=1000,output=300" "azure-code"; do
     run "bench-$workload" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 \
       --workload "$workload" --num-requests "$requests" --duration "$seconds" --json \
