@@ -48,7 +48,7 @@ FAST_MATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 
 # A thread's share of the work is at least this many (token, KV head) pairs; smaller calls run on
 # fewer threads, since splitting them costs more than it gains.
-MIN_TOKEN_HEADS_PER_THREAD = 4096
+MIN_TOKEN_HEADS_PER_THREAD = 512
 
 CACHE_LINE_BYTES = 64
 
@@ -214,6 +214,25 @@ def _exp_nonpositive(x):
     # 2**n from its exponent bits; n = -127 gives the bits of 0.0
     return power_of_fraction * _float_from_bits(np.uint32(np.int32(n) + np.int32(127))
                                                 << np.uint32(23))
+
+
+@_compiled()
+def _values_valid(block_table, seq_lens, num_blocks, block_size):
+    """Whether every ``seq_len`` is >= 1, fits ``block_table``'s columns, and every block id it
+    uses lies in ``[0, num_blocks)``: the conditions of ``checks.check_paged_decode_attention_values``
+    as one compiled scan, so that valid input costs no torch operations."""
+    for seq in range(seq_lens.shape[0]):
+        length = seq_lens[seq]
+        if length < 1:
+            return False
+        blocks_needed = (length + block_size - 1) // block_size
+        if blocks_needed > block_table.shape[1]:
+            return False
+        for column in range(blocks_needed):
+            block = block_table[seq, column]
+            if block < 0 or block >= num_blocks:
+                return False
+    return True
 
 
 @_compiled()
@@ -530,19 +549,21 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
     """
     checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
                                              scale)
-    checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
     if q.shape[0] == 0:
         return
+    # The metadata is small: contiguous copies of strided tables keep the kernel to one compiled
+    # specialization per dtype (numba compiles another for every array layout it is given).
+    table, lengths = (tensor.contiguous().numpy() for tensor in (block_table, seq_lens))
+    if not _values_valid(table, lengths, k_cache.shape[0], k_cache.shape[2]):
+        # the shared check names the offending value
+        checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
     torch_threads = torch.get_num_threads()
     num_threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
     arrays = [_as_array(tensor) for tensor in (q, k_cache, v_cache)]
-    # The metadata is small: contiguous copies of strided tables keep the kernel to one compiled
-    # specialization per dtype (numba compiles another for every array layout it is given).
-    metadata = [tensor.contiguous().numpy() for tensor in (block_table, seq_lens)]
     with _launch_lock:
         numba.set_num_threads(num_threads)
         try:
-            result = _decode_attention(*arrays, *metadata, np.float32(scale), num_threads)
+            result = _decode_attention(*arrays, table, lengths, np.float32(scale), num_threads)
         finally:
             # numba's OpenMP thread pool can share OpenMP's thread-count setting with torch (and
             # sets it when it starts): leave torch's as it was
