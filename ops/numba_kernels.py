@@ -12,7 +12,8 @@ Algorithm (flash-decoding on the CPU):
 2. **Attend.** Each thread walks its units block by block, and within a block KV head by KV head,
    so that it reads each block's K and V as two sequential runs (the layout is
    ``[num_blocks, num_kv_heads, block_size, head_dim]``) and can prefetch the next block. Every K
-   and V element is converted to float32 once and reused for all query heads of its KV group;
+   and V element is decoded to float32 where it is loaded and used for up to four query heads of
+   its KV group at once;
    the softmax is computed online per block (running max, running sum, rescaled accumulator), so
    each unit yields, per query head, an unnormalized output with its max and sum of exponentials.
 3. **Merge.** A unit that is a whole sequence writes its normalized result directly. The units
@@ -219,8 +220,9 @@ def _exp_nonpositive(x):
 @_compiled()
 def _values_valid(block_table, seq_lens, num_blocks, block_size):
     """Whether every ``seq_len`` is >= 1, fits ``block_table``'s columns, and every block id it
-    uses lies in ``[0, num_blocks)``: the conditions of ``checks.check_paged_decode_attention_values``
-    as one compiled scan, so that valid input costs no torch operations."""
+    uses lies in ``[0, num_blocks)``: the conditions of
+    ``checks.check_paged_decode_attention_values`` as one compiled scan, so that valid input
+    costs no torch operations."""
     for seq in range(seq_lens.shape[0]):
         length = seq_lens[seq]
         if length < 1:
@@ -286,7 +288,10 @@ def _plan(seq_lens, block_size, num_kv_heads, num_threads):
 
 # The helpers below get the caches whole, with indices, rather than slices of them: a slice of an
 # array shared by the threads updates its reference count, an atomic they would all contend for.
-# Slices of a thread's own working arrays are cheap.
+# Slices of a thread's own working arrays are cheap. They read the half-precision caches
+# directly, each element decoded once where it is loaded and used for every query head of the
+# tile; the token loops take register tiles of four tokens, with whatever remains of a block
+# done token by token.
 
 @_compiled(nogil=True)
 def _prefetch_rows(cache, block, head):
@@ -298,74 +303,129 @@ def _prefetch_rows(cache, block, head):
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _convert_block(cache, block, head, count, destination):
-    """``destination[t] = cache[block, head, t]`` in float32 for the first ``count`` tokens."""
-    for t in range(count):
-        for d in range(cache.shape[3]):
-            destination[t, d] = _to_float32(cache[block, head, t, d])
-
-
-@_compiled(fastmath=FAST_MATH, nogil=True)
-def _scores_one_head(query, keys, count, scores):
-    """``scores[t] = query . keys[t]`` for ``count`` tokens, four tokens per pass over the row."""
+def _scores_one_head(queries, h, cache, block, kv_head, count, scores, g):
+    """``scores[g, t] = queries[h] . cache[block, kv_head, t]`` for ``count`` tokens."""
     t = 0
     while t + 4 <= count:
         dot0 = dot1 = dot2 = dot3 = np.float32(0.0)
-        for d in range(keys.shape[1]):
-            dot0 += query[d] * keys[t, d]
-            dot1 += query[d] * keys[t + 1, d]
-            dot2 += query[d] * keys[t + 2, d]
-            dot3 += query[d] * keys[t + 3, d]
-        scores[t], scores[t + 1], scores[t + 2], scores[t + 3] = dot0, dot1, dot2, dot3
+        for d in range(cache.shape[3]):
+            query = queries[h, d]
+            dot0 += query * _to_float32(cache[block, kv_head, t, d])
+            dot1 += query * _to_float32(cache[block, kv_head, t + 1, d])
+            dot2 += query * _to_float32(cache[block, kv_head, t + 2, d])
+            dot3 += query * _to_float32(cache[block, kv_head, t + 3, d])
+        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = dot0, dot1, dot2, dot3
         t += 4
     for t in range(t, count):
         dot = np.float32(0.0)
-        for d in range(keys.shape[1]):
-            dot += query[d] * keys[t, d]
-        scores[t] = dot
+        for d in range(cache.shape[3]):
+            dot += queries[h, d] * _to_float32(cache[block, kv_head, t, d])
+        scores[g, t] = dot
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _scores_two_heads(query0, query1, keys, count, scores0, scores1):
-    """``_scores_one_head`` for two query heads at once: each key element loaded serves both."""
+def _scores_two_heads(queries, h, cache, block, kv_head, count, scores, g):
+    """``_scores_one_head`` for query heads ``h, h + 1`` into score rows ``g, g + 1``: each key
+    element loaded serves both."""
     t = 0
     while t + 4 <= count:
         dot00 = dot01 = dot02 = dot03 = np.float32(0.0)
         dot10 = dot11 = dot12 = dot13 = np.float32(0.0)
-        for d in range(keys.shape[1]):
-            key0, key1, key2, key3 = keys[t, d], keys[t + 1, d], keys[t + 2, d], keys[t + 3, d]
-            dot00 += query0[d] * key0
-            dot01 += query0[d] * key1
-            dot02 += query0[d] * key2
-            dot03 += query0[d] * key3
-            dot10 += query1[d] * key0
-            dot11 += query1[d] * key1
-            dot12 += query1[d] * key2
-            dot13 += query1[d] * key3
-        scores0[t], scores0[t + 1], scores0[t + 2], scores0[t + 3] = dot00, dot01, dot02, dot03
-        scores1[t], scores1[t + 1], scores1[t + 2], scores1[t + 3] = dot10, dot11, dot12, dot13
+        for d in range(cache.shape[3]):
+            key0 = _to_float32(cache[block, kv_head, t, d])
+            key1 = _to_float32(cache[block, kv_head, t + 1, d])
+            key2 = _to_float32(cache[block, kv_head, t + 2, d])
+            key3 = _to_float32(cache[block, kv_head, t + 3, d])
+            query0, query1 = queries[h, d], queries[h + 1, d]
+            dot00 += query0 * key0
+            dot01 += query0 * key1
+            dot02 += query0 * key2
+            dot03 += query0 * key3
+            dot10 += query1 * key0
+            dot11 += query1 * key1
+            dot12 += query1 * key2
+            dot13 += query1 * key3
+        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = \
+            dot00, dot01, dot02, dot03
+        scores[g + 1, t], scores[g + 1, t + 1], scores[g + 1, t + 2], scores[g + 1, t + 3] = \
+            dot10, dot11, dot12, dot13
         t += 4
     for t in range(t, count):
         dot0 = dot1 = np.float32(0.0)
-        for d in range(keys.shape[1]):
-            dot0 += query0[d] * keys[t, d]
-            dot1 += query1[d] * keys[t, d]
-        scores0[t], scores1[t] = dot0, dot1
+        for d in range(cache.shape[3]):
+            key = _to_float32(cache[block, kv_head, t, d])
+            dot0 += queries[h, d] * key
+            dot1 += queries[h + 1, d] * key
+        scores[g, t], scores[g + 1, t] = dot0, dot1
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _block_scores(queries, first_head, keys, count, scores):
-    """``scores[g, t] = queries[first_head + g] . keys[t]`` for the group and ``count`` tokens.
+def _scores_four_heads(queries, h, cache, block, kv_head, count, scores, g):
+    """``_scores_one_head`` for query heads ``h .. h + 3`` into score rows ``g .. g + 3``: each
+    key element loaded serves all four."""
+    t = 0
+    while t + 4 <= count:
+        dot00 = dot01 = dot02 = dot03 = np.float32(0.0)
+        dot10 = dot11 = dot12 = dot13 = np.float32(0.0)
+        dot20 = dot21 = dot22 = dot23 = np.float32(0.0)
+        dot30 = dot31 = dot32 = dot33 = np.float32(0.0)
+        for d in range(cache.shape[3]):
+            key0 = _to_float32(cache[block, kv_head, t, d])
+            key1 = _to_float32(cache[block, kv_head, t + 1, d])
+            key2 = _to_float32(cache[block, kv_head, t + 2, d])
+            key3 = _to_float32(cache[block, kv_head, t + 3, d])
+            query0, query1 = queries[h, d], queries[h + 1, d]
+            query2, query3 = queries[h + 2, d], queries[h + 3, d]
+            dot00 += query0 * key0
+            dot01 += query0 * key1
+            dot02 += query0 * key2
+            dot03 += query0 * key3
+            dot10 += query1 * key0
+            dot11 += query1 * key1
+            dot12 += query1 * key2
+            dot13 += query1 * key3
+            dot20 += query2 * key0
+            dot21 += query2 * key1
+            dot22 += query2 * key2
+            dot23 += query2 * key3
+            dot30 += query3 * key0
+            dot31 += query3 * key1
+            dot32 += query3 * key2
+            dot33 += query3 * key3
+        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = \
+            dot00, dot01, dot02, dot03
+        scores[g + 1, t], scores[g + 1, t + 1], scores[g + 1, t + 2], scores[g + 1, t + 3] = \
+            dot10, dot11, dot12, dot13
+        scores[g + 2, t], scores[g + 2, t + 1], scores[g + 2, t + 2], scores[g + 2, t + 3] = \
+            dot20, dot21, dot22, dot23
+        scores[g + 3, t], scores[g + 3, t + 1], scores[g + 3, t + 2], scores[g + 3, t + 3] = \
+            dot30, dot31, dot32, dot33
+        t += 4
+    for t in range(t, count):
+        dot0 = dot1 = dot2 = dot3 = np.float32(0.0)
+        for d in range(cache.shape[3]):
+            key = _to_float32(cache[block, kv_head, t, d])
+            dot0 += queries[h, d] * key
+            dot1 += queries[h + 1, d] * key
+            dot2 += queries[h + 2, d] * key
+            dot3 += queries[h + 3, d] * key
+        scores[g, t], scores[g + 1, t], scores[g + 2, t], scores[g + 3, t] = dot0, dot1, dot2, dot3
 
-    Register tiles of two query heads x four tokens: each key element loaded serves two heads and
-    each query element four tokens.
-    """
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _block_scores(queries, first_head, cache, block, kv_head, count, scores):
+    """``scores[g, t] = queries[first_head + g] . cache[block, kv_head, t]`` for the group's
+    ``scores.shape[0]`` heads and ``count`` tokens, in tiles of four, two and one heads."""
     group = scores.shape[0]
-    for g in range(0, group - 1, 2):
-        _scores_two_heads(queries[first_head + g], queries[first_head + g + 1], keys, count,
-                          scores[g], scores[g + 1])
-    if group % 2:
-        _scores_one_head(queries[first_head + group - 1], keys, count, scores[group - 1])
+    g = 0
+    while g + 4 <= group:
+        _scores_four_heads(queries, first_head + g, cache, block, kv_head, count, scores, g)
+        g += 4
+    if g + 2 <= group:
+        _scores_two_heads(queries, first_head + g, cache, block, kv_head, count, scores, g)
+        g += 2
+    if g < group:
+        _scores_one_head(queries, first_head + g, cache, block, kv_head, count, scores, g)
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
@@ -373,7 +433,8 @@ def _online_softmax(scores, count, first_head, running_max, running_sum, accumul
     """Turn ``scores[:, :count]`` into weights relative to the group's updated running max.
 
     Query head ``first_head + g``'s running sum and accumulated output are rescaled to its new
-    max, and the block's weights are added to its running sum.
+    max (skipped when the max did not change), and the block's weights are added to its running
+    sum.
     """
     for g in range(scores.shape[0]):
         head = first_head + g
@@ -388,63 +449,123 @@ def _online_softmax(scores, count, first_head, running_max, running_sum, accumul
             scores[g, t] = weight
             block_sum += weight
         running_sum[head] = running_sum[head] * correction + block_sum
-        for d in range(accumulator.shape[1]):
-            accumulator[head, d] *= correction
+        if correction != np.float32(1.0):
+            for d in range(accumulator.shape[1]):
+                accumulator[head, d] *= correction
 
+
+# In the accumulation tiles the weights are read into local variables before the loop over
+# head_dim: the compiler cannot tell that stores to the accumulator leave them unchanged, and
+# would otherwise reload them, or guard the loop with run-time overlap checks.
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _accumulate_one_head(weights, values, count, accumulator):
-    """``accumulator += sum_t weights[t] * values[t]`` over ``count`` tokens, four per pass."""
+def _accumulate_one_head(weights, g, cache, block, kv_head, count, accumulator, h):
+    """``accumulator[h] += sum_t weights[g, t] * cache[block, kv_head, t]`` over ``count``
+    tokens."""
     t = 0
     while t + 4 <= count:
-        weight0, weight1 = weights[t], weights[t + 1]
-        weight2, weight3 = weights[t + 2], weights[t + 3]
-        for d in range(values.shape[1]):
-            accumulator[d] += ((weight0 * values[t, d] + weight1 * values[t + 1, d])
-                               + (weight2 * values[t + 2, d] + weight3 * values[t + 3, d]))
+        weight0, weight1, weight2, weight3 = \
+            weights[g, t], weights[g, t + 1], weights[g, t + 2], weights[g, t + 3]
+        for d in range(cache.shape[3]):
+            accumulator[h, d] += (
+                (weight0 * _to_float32(cache[block, kv_head, t, d])
+                 + weight1 * _to_float32(cache[block, kv_head, t + 1, d]))
+                + (weight2 * _to_float32(cache[block, kv_head, t + 2, d])
+                   + weight3 * _to_float32(cache[block, kv_head, t + 3, d])))
         t += 4
     for t in range(t, count):
-        for d in range(values.shape[1]):
-            accumulator[d] += weights[t] * values[t, d]
+        weight = weights[g, t]
+        for d in range(cache.shape[3]):
+            accumulator[h, d] += weight * _to_float32(cache[block, kv_head, t, d])
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _accumulate_two_heads(weights0, weights1, values, count, accumulator0, accumulator1):
-    """``_accumulate_one_head`` for two query heads at once: each value loaded serves both."""
+def _accumulate_two_heads(weights, g, cache, block, kv_head, count, accumulator, h):
+    """``_accumulate_one_head`` for weight rows ``g, g + 1`` into accumulator rows ``h, h + 1``:
+    each value loaded serves both."""
     t = 0
     while t + 4 <= count:
-        weight00, weight01 = weights0[t], weights0[t + 1]
-        weight02, weight03 = weights0[t + 2], weights0[t + 3]
-        weight10, weight11 = weights1[t], weights1[t + 1]
-        weight12, weight13 = weights1[t + 2], weights1[t + 3]
-        for d in range(values.shape[1]):
-            value0, value1 = values[t, d], values[t + 1, d]
-            value2, value3 = values[t + 2, d], values[t + 3, d]
-            accumulator0[d] += ((weight00 * value0 + weight01 * value1)
-                                + (weight02 * value2 + weight03 * value3))
-            accumulator1[d] += ((weight10 * value0 + weight11 * value1)
-                                + (weight12 * value2 + weight13 * value3))
+        weight00, weight01, weight02, weight03 = \
+            weights[g, t], weights[g, t + 1], weights[g, t + 2], weights[g, t + 3]
+        weight10, weight11, weight12, weight13 = \
+            weights[g + 1, t], weights[g + 1, t + 1], weights[g + 1, t + 2], weights[g + 1, t + 3]
+        for d in range(cache.shape[3]):
+            value0 = _to_float32(cache[block, kv_head, t, d])
+            value1 = _to_float32(cache[block, kv_head, t + 1, d])
+            value2 = _to_float32(cache[block, kv_head, t + 2, d])
+            value3 = _to_float32(cache[block, kv_head, t + 3, d])
+            accumulator[h, d] += ((weight00 * value0 + weight01 * value1)
+                                  + (weight02 * value2 + weight03 * value3))
+            accumulator[h + 1, d] += ((weight10 * value0 + weight11 * value1)
+                                      + (weight12 * value2 + weight13 * value3))
         t += 4
     for t in range(t, count):
-        for d in range(values.shape[1]):
-            accumulator0[d] += weights0[t] * values[t, d]
-            accumulator1[d] += weights1[t] * values[t, d]
+        weight0, weight1 = weights[g, t], weights[g + 1, t]
+        for d in range(cache.shape[3]):
+            value = _to_float32(cache[block, kv_head, t, d])
+            accumulator[h, d] += weight0 * value
+            accumulator[h + 1, d] += weight1 * value
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _accumulate_values(weights, values, count, first_head, accumulator):
-    """``accumulator[first_head + g] += sum_t weights[g, t] * values[t]`` over ``count`` tokens.
+def _accumulate_four_heads(weights, g, cache, block, kv_head, count, accumulator, h):
+    """``_accumulate_one_head`` for weight rows ``g .. g + 3`` into accumulator rows
+    ``h .. h + 3``: each value loaded serves all four."""
+    t = 0
+    while t + 4 <= count:
+        weight00, weight01, weight02, weight03 = \
+            weights[g, t], weights[g, t + 1], weights[g, t + 2], weights[g, t + 3]
+        weight10, weight11, weight12, weight13 = \
+            weights[g + 1, t], weights[g + 1, t + 1], weights[g + 1, t + 2], weights[g + 1, t + 3]
+        weight20, weight21, weight22, weight23 = \
+            weights[g + 2, t], weights[g + 2, t + 1], weights[g + 2, t + 2], weights[g + 2, t + 3]
+        weight30, weight31, weight32, weight33 = \
+            weights[g + 3, t], weights[g + 3, t + 1], weights[g + 3, t + 2], weights[g + 3, t + 3]
+        for d in range(cache.shape[3]):
+            value0 = _to_float32(cache[block, kv_head, t, d])
+            value1 = _to_float32(cache[block, kv_head, t + 1, d])
+            value2 = _to_float32(cache[block, kv_head, t + 2, d])
+            value3 = _to_float32(cache[block, kv_head, t + 3, d])
+            accumulator[h, d] += ((weight00 * value0 + weight01 * value1)
+                                  + (weight02 * value2 + weight03 * value3))
+            accumulator[h + 1, d] += ((weight10 * value0 + weight11 * value1)
+                                      + (weight12 * value2 + weight13 * value3))
+            accumulator[h + 2, d] += ((weight20 * value0 + weight21 * value1)
+                                      + (weight22 * value2 + weight23 * value3))
+            accumulator[h + 3, d] += ((weight30 * value0 + weight31 * value1)
+                                      + (weight32 * value2 + weight33 * value3))
+        t += 4
+    for t in range(t, count):
+        weight0, weight1, weight2, weight3 = \
+            weights[g, t], weights[g + 1, t], weights[g + 2, t], weights[g + 3, t]
+        for d in range(cache.shape[3]):
+            value = _to_float32(cache[block, kv_head, t, d])
+            accumulator[h, d] += weight0 * value
+            accumulator[h + 1, d] += weight1 * value
+            accumulator[h + 2, d] += weight2 * value
+            accumulator[h + 3, d] += weight3 * value
 
-    Register tiles of two query heads x four tokens: each accumulator element is loaded and
-    stored once per four tokens, and each value element loaded serves two heads.
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _accumulate_values(weights, cache, block, kv_head, count, first_head, accumulator):
+    """``accumulator[first_head + g] += sum_t weights[g, t] * cache[block, kv_head, t]`` over
+    ``count`` tokens, for the group's ``weights.shape[0]`` heads in tiles of four, two and one.
+
+    Each accumulator element is loaded and stored once per four tokens.
     """
     group = weights.shape[0]
-    for g in range(0, group - 1, 2):
-        _accumulate_two_heads(weights[g], weights[g + 1], values, count,
-                              accumulator[first_head + g], accumulator[first_head + g + 1])
-    if group % 2:
-        _accumulate_one_head(weights[group - 1], values, count,
-                             accumulator[first_head + group - 1])
+    g = 0
+    while g + 4 <= group:
+        _accumulate_four_heads(weights, g, cache, block, kv_head, count, accumulator,
+                               first_head + g)
+        g += 4
+    if g + 2 <= group:
+        _accumulate_two_heads(weights, g, cache, block, kv_head, count, accumulator,
+                              first_head + g)
+        g += 2
+    if g < group:
+        _accumulate_one_head(weights, g, cache, block, kv_head, count, accumulator,
+                             first_head + g)
 
 
 @_compiled(parallel=True, fastmath=FAST_MATH, nogil=True)
@@ -475,9 +596,6 @@ def _decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_thr
         accumulator = np.empty((num_heads, head_dim), np.float32)
         running_max = np.empty(num_heads, np.float32)
         running_sum = np.empty(num_heads, np.float32)
-        # one block of one KV head in float32: each element converted once for the whole group
-        keys = np.empty((block_size, head_dim), np.float32)
-        values = np.empty((block_size, head_dim), np.float32)
         scores = np.empty((group, block_size), np.float32)
         for unit in range(thread_units[thread], thread_units[thread + 1]):
             seq = unit_seq[unit]
@@ -498,12 +616,11 @@ def _decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_thr
                     first_head = kv_head * group
                     _prefetch_rows(k_cache, next_block, kv_head)
                     _prefetch_rows(v_cache, next_block, kv_head)
-                    _convert_block(k_cache, block, kv_head, count, keys)
-                    _block_scores(queries, first_head, keys, count, scores)
+                    _block_scores(queries, first_head, k_cache, block, kv_head, count, scores)
                     _online_softmax(scores, count, first_head, running_max, running_sum,
                                     accumulator)
-                    _convert_block(v_cache, block, kv_head, count, values)
-                    _accumulate_values(scores, values, count, first_head, accumulator)
+                    _accumulate_values(scores, v_cache, block, kv_head, count, first_head,
+                                       accumulator)
             if seq_units[seq + 1] - seq_units[seq] == 1:  # the whole sequence: final result
                 for head in range(num_heads):
                     for d in range(head_dim):
