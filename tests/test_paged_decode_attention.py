@@ -24,8 +24,9 @@ OP = "paged_decode_attention"
 IMPLEMENTATIONS = implementation_params(OP)
 CPU_IMPLEMENTATIONS = implementation_params(OP, devices=("cpu",))
 
-# (num_heads, num_kv_heads): GQA ratios 1, 4, 8 and MQA
-HEAD_LAYOUTS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (8, 1)}
+# (num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8 and MQA (kernels tile query heads of a KV
+# head in fours, twos and ones: ratios 2 and 3 reach the smaller tiles)
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa3": (6, 2), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (8, 1)}
 
 
 def decode_attention_float64(q, paged, scale):
