@@ -24,9 +24,12 @@ MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 128
 
 
-def _require(condition: bool, op: str, message: str) -> None:
+def _require(condition: bool, op: str, message) -> None:
+    """Raise ``ValueError("neo.<op>: <message>")`` unless ``condition``. ``message`` is a string
+    or a function that makes one, called only when the check fails (formatting a message costs
+    more than the check itself)."""
     if not condition:
-        raise ValueError(f"neo.{op}: {message}")
+        raise ValueError(f"neo.{op}: {message() if callable(message) else message}")
 
 
 def _capturing(tensor: torch.Tensor) -> bool:
@@ -37,40 +40,40 @@ def _capturing(tensor: torch.Tensor) -> bool:
 
 def _check_float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
     _require(tensor.dtype in FLOAT_DTYPES, op,
-             f"{name} dtype must be float32, float16 or bfloat16, got {tensor.dtype}")
+             lambda: f"{name} dtype must be float32, float16 or bfloat16, got {tensor.dtype}")
 
 
 def _check_same_device(op: str, reference_name: str, reference: torch.Tensor,
                        tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         _require(tensor.device == reference.device, op,
-                 f"{name} is on {tensor.device}, {reference_name} on {reference.device}")
+                 lambda: f"{name} is on {tensor.device}, {reference_name} on {reference.device}")
 
 
 def _check_float32_scalar(op: str, name: str, value: float) -> None:
     """``value`` is finite and representable in float32 (the kernels compute in float32)."""
     _require(math.isfinite(value) and abs(value) <= FLOAT32_MAX, op,
-             f"{name} must be a finite float32 value, got {value}")
+             lambda: f"{name} must be a finite float32 value, got {value}")
 
 
 def check_cache_layout(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _require(k_cache.dim() == 4, op, f"k_cache must be [num_blocks, num_kv_heads, block_size, "
+    _require(k_cache.dim() == 4, op, lambda: f"k_cache must be [num_blocks, num_kv_heads, block_size, "
              f"head_dim], got shape {tuple(k_cache.shape)}")
-    _require(v_cache.shape == k_cache.shape, op, f"v_cache shape {tuple(v_cache.shape)} differs "
+    _require(v_cache.shape == k_cache.shape, op, lambda: f"v_cache shape {tuple(v_cache.shape)} differs "
              f"from k_cache shape {tuple(k_cache.shape)}")
-    _require(v_cache.dtype == k_cache.dtype, op, f"v_cache dtype {v_cache.dtype} differs from "
+    _require(v_cache.dtype == k_cache.dtype, op, lambda: f"v_cache dtype {v_cache.dtype} differs from "
              f"k_cache dtype {k_cache.dtype}")
     _require(k_cache.is_contiguous() and v_cache.is_contiguous(), op,
              "k_cache and v_cache must be contiguous")
     _require(k_cache.shape[1] >= 1, op,
-             f"k_cache must have num_kv_heads >= 1, got {k_cache.shape[1]}")
+             lambda: f"k_cache must have num_kv_heads >= 1, got {k_cache.shape[1]}")
     block_size = k_cache.shape[2]
     _require(MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0,
-             op, f"block_size must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, "
+             op, lambda: f"block_size must be a power of two from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, "
              f"got {block_size}")
     head_dim = k_cache.shape[3]
     _require(head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM, op,
-             f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
+             lambda: f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
 
 
 def check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
@@ -79,25 +82,25 @@ def check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq
     check_cache_layout(op, k_cache, v_cache)
     _check_float_dtype(op, "q", q)
     _require(q.dtype == k_cache.dtype == out.dtype, op,
-             f"q, caches and out must share one dtype, got q {q.dtype}, cache {k_cache.dtype}, "
+             lambda: f"q, caches and out must share one dtype, got q {q.dtype}, cache {k_cache.dtype}, "
              f"out {out.dtype}")
-    _require(q.dim() == 3, op, f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
-    _require(out.shape == q.shape, op, f"out shape {tuple(out.shape)} differs from q shape "
+    _require(q.dim() == 3, op, lambda: f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
+    _require(out.shape == q.shape, op, lambda: f"out shape {tuple(out.shape)} differs from q shape "
              f"{tuple(q.shape)}")
     _require(q.is_contiguous() and out.is_contiguous(), op, "q and out must be contiguous")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    _require(head_dim == k_cache.shape[3], op, f"q head_dim {head_dim} differs from the cache's "
+    _require(head_dim == k_cache.shape[3], op, lambda: f"q head_dim {head_dim} differs from the cache's "
              f"{k_cache.shape[3]}")
-    _require(num_heads >= 1, op, f"q must have num_heads >= 1, got {num_heads}")
-    _require(num_heads % num_kv_heads == 0, op, f"num_heads {num_heads} is not a multiple of "
+    _require(num_heads >= 1, op, lambda: f"q must have num_heads >= 1, got {num_heads}")
+    _require(num_heads % num_kv_heads == 0, op, lambda: f"num_heads {num_heads} is not a multiple of "
              f"num_kv_heads {num_kv_heads}")
     _require(block_table.dtype == torch.int32 and block_table.dim() == 2, op,
-             f"block_table must be int32 [num_seqs, max_blocks_per_seq], got {block_table.dtype} "
+             lambda: f"block_table must be int32 [num_seqs, max_blocks_per_seq], got {block_table.dtype} "
              f"{tuple(block_table.shape)}")
     _require(seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,), op,
-             f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    _require(block_table.shape[0] == num_seqs, op, f"block_table has {block_table.shape[0]} rows "
+             lambda: f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    _require(block_table.shape[0] == num_seqs, op, lambda: f"block_table has {block_table.shape[0]} rows "
              f"for {num_seqs} sequences")
     _check_same_device(op, "q", q, {"k_cache": k_cache, "v_cache": v_cache, "out": out,
                                     "block_table": block_table, "seq_lens": seq_lens})
@@ -112,13 +115,13 @@ def check_paged_decode_attention_values(k_cache, block_table, seq_lens) -> None:
         return
     block_size = k_cache.shape[2]
     lengths = seq_lens.to("cpu", torch.int64)
-    _require(bool((lengths >= 1).all()), op, f"every seq_len must be >= 1, got min "
+    _require(bool((lengths >= 1).all()), op, lambda: f"every seq_len must be >= 1, got min "
              f"{int(lengths.min())}")
     blocks_needed = (lengths + block_size - 1) // block_size
     max_blocks = block_table.shape[1]
     worst = int(blocks_needed.argmax())
     _require(int(blocks_needed[worst]) <= max_blocks, op,
-             f"seq_len {int(lengths[worst])} of sequence {worst} needs {int(blocks_needed[worst])} "
+             lambda: f"seq_len {int(lengths[worst])} of sequence {worst} needs {int(blocks_needed[worst])} "
              f"blocks but block_table has {max_blocks} columns")
     table = block_table.to("cpu", torch.int64)
     used = torch.arange(max_blocks).unsqueeze(0) < blocks_needed.unsqueeze(1)
@@ -133,17 +136,17 @@ def check_store_kv_cache_args(key, value, k_cache, v_cache, slot_mapping) -> Non
     op = "store_kv_cache"
     check_cache_layout(op, k_cache, v_cache)
     _require(key.dim() == 3 and key.shape == value.shape, op,
-             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+             lambda: f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
              f"{tuple(key.shape)} and {tuple(value.shape)}")
     _require(key.shape[1:] == (k_cache.shape[1], k_cache.shape[3]), op,
-             f"key [*, {key.shape[1]}, {key.shape[2]}] does not match the cache's "
+             lambda: f"key [*, {key.shape[1]}, {key.shape[2]}] does not match the cache's "
              f"num_kv_heads {k_cache.shape[1]} and head_dim {k_cache.shape[3]}")
     _check_float_dtype(op, "key", key)
     _require(key.dtype == value.dtype == k_cache.dtype, op,
-             f"key, value and caches must share one dtype, got {key.dtype}, {value.dtype}, "
+             lambda: f"key, value and caches must share one dtype, got {key.dtype}, {value.dtype}, "
              f"{k_cache.dtype}")
     _require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],), op,
-             f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
+             lambda: f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
              f"{tuple(slot_mapping.shape)}")
     _check_same_device(op, "key", key, {"value": value, "k_cache": k_cache, "v_cache": v_cache,
                                         "slot_mapping": slot_mapping})
@@ -166,7 +169,7 @@ def check_store_kv_cache_values(k_cache, slot_mapping) -> None:
     first_token = {}
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            _require(slot not in first_token, op, f"slot {slot} of token {token} is also the "
+            _require(slot not in first_token, op, lambda: f"slot {slot} of token {token} is also the "
                      f"slot of token {first_token.get(slot)}")
             first_token[slot] = token
 
@@ -177,16 +180,16 @@ def check_swap_blocks_args(src, dst, block_mapping) -> None:
     op = "swap_blocks"
     _require(src.dim() >= 1 and dst.dim() == src.dim() and src.shape[1:] == dst.shape[1:]
              and src.dtype == dst.dtype, op,
-             f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must "
+             lambda: f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must "
              f"share dtype and block shape")
     _require(src.is_contiguous() and dst.is_contiguous(), op, "src and dst must be contiguous")
     _require(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2
              and block_mapping.shape[1] == 2, op,
-             f"block_mapping must be int64 [n, 2], got {block_mapping.dtype} "
+             lambda: f"block_mapping must be int64 [n, 2], got {block_mapping.dtype} "
              f"{tuple(block_mapping.shape)}")
     _require(block_mapping.device.type == "cpu", op, "block_mapping must be a CPU tensor")
     for name, tensor in (("src", src), ("dst", dst)):
-        _require(not tensor.is_meta, op, f"{name} is on {tensor.device}, which holds no data")
+        _require(not tensor.is_meta, op, lambda: f"{name} is on {tensor.device}, which holds no data")
 
 
 def check_swap_blocks_values(src, dst, block_mapping) -> None:
@@ -209,42 +212,42 @@ def check_swap_blocks_values(src, dst, block_mapping) -> None:
     written = set()
     for row, (_, destination) in enumerate(pairs):
         _require(destination not in written, op,
-                 f"dst block {destination} in row {row} is already written by an earlier row")
+                 lambda: f"dst block {destination} in row {row} is already written by an earlier row")
         written.add(destination)
     if src.device == dst.device and src.data_ptr() == dst.data_ptr():
         read = {source for source, _ in pairs}
         for _, destination in pairs:
-            _require(destination not in read, op, f"block {destination} is both a source and a "
+            _require(destination not in read, op, lambda: f"block {destination} is both a source and a "
                      f"destination within the same tensor")
 
 
 def check_prefill_attention_args(out, q, k, v, cu_seqlens, max_seqlen, scale) -> None:
     op = "prefill_attention"
     _require(q.dim() == 3 and k.dim() == 3 and k.shape == v.shape, op,
-             f"q must be [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, "
+             lambda: f"q must be [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, "
              f"head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    _require(out.shape == q.shape, op, f"out shape {tuple(out.shape)} differs from q "
+    _require(out.shape == q.shape, op, lambda: f"out shape {tuple(out.shape)} differs from q "
              f"{tuple(q.shape)}")
     _require(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], op,
              "q, k and v must share num_tokens and head_dim")
     num_tokens, num_heads, head_dim = q.shape
     _require(1 <= head_dim <= MAX_HEAD_DIM, op,
-             f"head_dim must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
-    _require(k.shape[1] >= 1, op, f"k and v must have num_kv_heads >= 1, got {k.shape[1]}")
-    _require(num_heads >= 1, op, f"q must have num_heads >= 1, got {num_heads}")
-    _require(num_heads % k.shape[1] == 0, op, f"num_heads {num_heads} is not a multiple of "
+             lambda: f"head_dim must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    _require(k.shape[1] >= 1, op, lambda: f"k and v must have num_kv_heads >= 1, got {k.shape[1]}")
+    _require(num_heads >= 1, op, lambda: f"q must have num_heads >= 1, got {num_heads}")
+    _require(num_heads % k.shape[1] == 0, op, lambda: f"num_heads {num_heads} is not a multiple of "
              f"num_kv_heads {k.shape[1]}")
     _check_float_dtype(op, "q", q)
     _require(q.dtype == k.dtype == v.dtype == out.dtype, op,
-             f"q, k, v and out must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+             lambda: f"q, k, v and out must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
              f"{out.dtype}")
     _require(cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1,
-             op, f"cu_seqlens must be int32 [num_seqs + 1], got {cu_seqlens.dtype} "
+             op, lambda: f"cu_seqlens must be int32 [num_seqs + 1], got {cu_seqlens.dtype} "
              f"{tuple(cu_seqlens.shape)}")
     _require(num_tokens == 0 or cu_seqlens.numel() >= 2, op,
-             f"cu_seqlens {tuple(cu_seqlens.shape)} holds no prompt for {num_tokens} tokens")
+             lambda: f"cu_seqlens {tuple(cu_seqlens.shape)} holds no prompt for {num_tokens} tokens")
     _require(max_seqlen >= (1 if num_tokens else 0), op,
-             f"max_seqlen must be >= {1 if num_tokens else 0} with {num_tokens} tokens, got "
+             lambda: f"max_seqlen must be >= {1 if num_tokens else 0} with {num_tokens} tokens, got "
              f"{max_seqlen}")
     _check_same_device(op, "q", q, {"k": k, "v": v, "out": out, "cu_seqlens": cu_seqlens})
     _check_float32_scalar(op, "scale", scale)
@@ -258,19 +261,19 @@ def check_prefill_attention_values(q, cu_seqlens, max_seqlen) -> None:
     if _capturing(cu_seqlens):
         return
     bounds = cu_seqlens.to("cpu", torch.int64)
-    _require(int(bounds[0]) == 0, op, f"cu_seqlens must start at 0, got {int(bounds[0])}")
+    _require(int(bounds[0]) == 0, op, lambda: f"cu_seqlens must start at 0, got {int(bounds[0])}")
     lengths = bounds[1:] - bounds[:-1]
     if bool((lengths < 0).any()):
         index = int((lengths < 0).nonzero()[0, 0]) + 1
         raise ValueError(f"neo.{op}: cu_seqlens must be non-decreasing, got cu_seqlens[{index}] "
                          f"= {int(bounds[index])} after {int(bounds[index - 1])}")
     num_tokens = q.shape[0]
-    _require(int(bounds[-1]) == num_tokens, op, f"cu_seqlens must end at num_tokens "
+    _require(int(bounds[-1]) == num_tokens, op, lambda: f"cu_seqlens must end at num_tokens "
              f"{num_tokens}, got {int(bounds[-1])}")
     if lengths.numel():
         longest = int(lengths.argmax())
         _require(max_seqlen >= int(lengths[longest]), op,
-                 f"max_seqlen {max_seqlen} is below the longest prompt, {int(lengths[longest])} "
+                 lambda: f"max_seqlen {max_seqlen} is below the longest prompt, {int(lengths[longest])} "
                  f"tokens (prompt {longest})")
 
 
@@ -280,37 +283,37 @@ def check_rms_norm_args(op, input, weight, epsilon, other, other_name) -> None:
     ``weight`` has the input's dtype or is float32 (a float32 weight with half-precision
     activations; the norm is computed in float32 either way)."""
     _require(input.dim() == 2 and weight.shape == (input.shape[1],), op,
-             f"input must be [num_tokens, hidden] and weight [hidden], got {tuple(input.shape)} "
+             lambda: f"input must be [num_tokens, hidden] and weight [hidden], got {tuple(input.shape)} "
              f"and {tuple(weight.shape)}")
     _require(other.shape == input.shape and other.dtype == input.dtype, op,
-             f"{other_name} {other.dtype} {tuple(other.shape)} must match input {input.dtype} "
+             lambda: f"{other_name} {other.dtype} {tuple(other.shape)} must match input {input.dtype} "
              f"{tuple(input.shape)}")
     _check_float_dtype(op, "input", input)
     _require(weight.dtype in (input.dtype, torch.float32), op,
-             f"weight dtype must be the input's ({input.dtype}) or float32, got {weight.dtype}")
+             lambda: f"weight dtype must be the input's ({input.dtype}) or float32, got {weight.dtype}")
     _check_same_device(op, "input", input, {"weight": weight, other_name: other})
     _check_float32_scalar(op, "epsilon", epsilon)
-    _require(epsilon > 0, op, f"epsilon must be > 0, got {epsilon}")
+    _require(epsilon > 0, op, lambda: f"epsilon must be > 0, got {epsilon}")
 
 
 def check_rotary_embedding_args(positions, query, key, cos_sin_cache) -> None:
     op = "rotary_embedding"
     _require(positions.dtype == torch.int64 and positions.dim() == 1, op,
-             f"positions must be int64 [num_tokens], got {positions.dtype} "
+             lambda: f"positions must be int64 [num_tokens], got {positions.dtype} "
              f"{tuple(positions.shape)}")
     _require(query.dim() == 3 and key.dim() == 3 and query.shape[0] == key.shape[0]
              == positions.shape[0], op,
-             f"query [T, H, D] and key [T, KVH, D] must have T = {positions.shape[0]} tokens, got "
+             lambda: f"query [T, H, D] and key [T, KVH, D] must have T = {positions.shape[0]} tokens, got "
              f"{tuple(query.shape)} and {tuple(key.shape)}")
     _require(cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] % 2 == 0
              and cos_sin_cache.shape[1] <= min(query.shape[2], key.shape[2]), op,
-             f"cos_sin_cache must be [max_positions, rotary_dim] with an even rotary_dim <= "
+             lambda: f"cos_sin_cache must be [max_positions, rotary_dim] with an even rotary_dim <= "
              f"head_dim, got {tuple(cos_sin_cache.shape)}")
     _require(cos_sin_cache.dtype == torch.float32, op,
-             f"cos_sin_cache must be float32, got {cos_sin_cache.dtype}")
+             lambda: f"cos_sin_cache must be float32, got {cos_sin_cache.dtype}")
     _check_float_dtype(op, "query", query)
     _require(key.dtype == query.dtype, op,
-             f"key dtype {key.dtype} differs from query dtype {query.dtype}")
+             lambda: f"key dtype {key.dtype} differs from query dtype {query.dtype}")
     _check_same_device(op, "query", query, {"key": key, "positions": positions,
                                             "cos_sin_cache": cos_sin_cache})
 
@@ -332,9 +335,9 @@ def check_rotary_embedding_values(positions, cos_sin_cache) -> None:
 def check_silu_and_mul_args(out, input) -> None:
     op = "silu_and_mul"
     _require(input.dim() == 2 and input.shape[1] % 2 == 0, op,
-             f"input must be [num_tokens, 2 * intermediate], got {tuple(input.shape)}")
+             lambda: f"input must be [num_tokens, 2 * intermediate], got {tuple(input.shape)}")
     _require(out.shape == (input.shape[0], input.shape[1] // 2) and out.dtype == input.dtype, op,
-             f"out must be {input.dtype} [{input.shape[0]}, {input.shape[1] // 2}], got "
+             lambda: f"out must be {input.dtype} [{input.shape[0]}, {input.shape[1] // 2}], got "
              f"{out.dtype} {tuple(out.shape)}")
     _check_float_dtype(op, "input", input)
     _check_same_device(op, "input", input, {"out": out})
