@@ -2,22 +2,16 @@
 every pipeline's points, their ratios to the gpu-only point and the best point within each bound."""
 
 import json
-import os
-import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from benchmark_modules import benchmark_module
+
 
 
 @pytest.fixture(scope="module")
 def frontier():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import interval_frontier
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return interval_frontier
+    return benchmark_module("interval_frontier")
 
 
 def test_every_pipeline_measures_each_host_count(frontier, tmp_path):

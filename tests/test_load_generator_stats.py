@@ -1,7 +1,6 @@
 """The load generator's statistics (benchmarks/online_stats.py) on hand-made request records,
 its arrival plans, and ``--mode report`` on a sweep written before ITL and goodput existed."""
 
-import importlib
 import json
 import os
 import shutil
@@ -11,16 +10,9 @@ import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from benchmark_modules import BENCHMARKS, benchmark_module
+
 OLD_SWEEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "online-sweep-before-goodput.json")
-
-
-def benchmark_module(name: str):
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(BENCHMARKS)
 
 
 online_stats = benchmark_module("online_stats")

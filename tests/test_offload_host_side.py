@@ -2,25 +2,18 @@
 host decode reads, from a real engine's trace (neo-tiny on the CPU, async host pipeline)."""
 
 import dataclasses
-import os
-import sys
 
 import pytest
 
+from benchmark_modules import benchmark_module
 from engine_reference import PROMPTS, gib_for_blocks
 from neo import EngineConfig, LLMEngine, SamplingParams
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def offload():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import offload
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return offload
+    return benchmark_module("offload")
 
 
 def traced_run(tmp_path, policy: str) -> tuple[list[dict], LLMEngine]:

@@ -26,6 +26,7 @@ from neo.models.tiny import save_tiny
 from neo.server.detokenizer import IncrementalDetokenizer
 from neo.server.streaming import sse_event
 from neo.tokenizer import Tokenizer
+from benchmark_modules import BENCHMARKS, benchmark_module
 from server_harness import (
     BLOCK_BYTES,
     HTTP_TIMEOUT,
@@ -680,7 +681,6 @@ def test_shutdown_on_signal_aborts_streams_and_exits(signal_number, tmp_path):
 
 # -- the load generator (benchmarks/online.py) ---------------------------------------------------
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 TINY_SERVE_ARGS = ["--device", "cpu", "--gpu-kv-cache-gib", str(4 * BLOCK_BYTES / 2**30),
                    "--cpu-kv-cache-gib", str(256 * BLOCK_BYTES / 2**30), "--perf-model", "zero"]
 
@@ -696,11 +696,8 @@ def run_benchmark(arguments: list[str], output_dir) -> str:
 
 
 def test_sustainable_rate_interpolates_the_crossing():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        from online_stats import knees, sustainable_rate
-    finally:
-        sys.path.remove(BENCHMARKS)
+    online_stats = benchmark_module("online_stats")
+    knees, sustainable_rate = online_stats.knees, online_stats.sustainable_rate
     points = [(1.0, 0.010), (2.0, 0.012), (3.0, 0.030), (4.0, math.inf)]
     assert sustainable_rate(points, 0.021) == {"rate": pytest.approx(2.5), "bound": "exact"}
     assert sustainable_rate(points, 0.5) == {"rate": 3.0, "bound": "at least"}
@@ -717,11 +714,7 @@ def test_sustainable_rate_interpolates_the_crossing():
 def test_scaled_trace_arrivals_reach_the_rate(rate):
     """The Azure trace re-timed to a rate: rate x duration requests within the duration, in the
     trace's order and relative timing (its lulls included)."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        from online_client import plan_requests
-    finally:
-        sys.path.remove(BENCHMARKS)
+    plan_requests = benchmark_module("online_client").plan_requests
     from neo.bench.workloads import parse_workload
     duration = 40.0
     planned = plan_requests("azure-code", "scaled", rate, duration, 1000, 0, 8192)
