@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from models.causal_lm import count_parameters
 from neo import EngineConfig, LLMEngine, SamplingParams
 from neo.bench import device_name
 
@@ -68,7 +69,7 @@ def roofline(engine: LLMEngine, batch: int, contexts: list[int], bandwidth: floa
     embedding = config.vocab_size * config.hidden_size
     # Decode reads every weight except the embedding table (only ``batch`` rows of it), unless
     # the table is also the LM head.
-    weight_parameters = config.num_parameters() - (0 if config.tie_word_embeddings else embedding)
+    weight_parameters = count_parameters(config) - (0 if config.tie_word_embeddings else embedding)
     weight_bytes = weight_parameters * element
     kv_bytes = sum(contexts) * config.kv_bytes_per_token(engine.dtype)
     linear_parameters = weight_parameters - config.num_layers * 2 * config.hidden_size - config.hidden_size
