@@ -116,9 +116,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")
-    group.add_argument("--async-scheduling", action="store_true",
-                       help="gpu-only: plan and launch each iteration before the previous one's tokens "
-                            "reach the host (the next input ids are taken on the device)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="plan and launch each iteration before the previous one's tokens reach the "
+                            "host (the next input ids are taken on the device); default: on for one CUDA "
+                            "device, off on the CPU")
     group.add_argument("--trace", dest="trace_path", default=None,
                        help="write a per-iteration trace (JSON) here")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of dummy weights")

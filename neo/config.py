@@ -59,8 +59,11 @@ class EngineConfig:
         reach the host: its input ids are taken on the device from the previous iteration's
         samples, and the previous tokens are read, checked against the stop conditions and
         returned while the device runs the new iteration (``LLMEngine``). A request that stops
-        has one more token computed, which is dropped. Policy gpu-only with one rank only; off
-        unless set (on the CPU nothing runs beside the host's work, so it gains nothing there).
+        has one more token computed, which is dropped. Under the offloading policies an
+        iteration is planned ahead only while no request decodes on the host (the host's
+        tokens come from work the GPU iteration does not order). One rank only. None (the
+        default): on for a CUDA device with one rank, off on the CPU (nothing runs beside the
+        host's work there, so it gains nothing).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.
@@ -89,7 +92,7 @@ class EngineConfig:
     placement: str | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -131,8 +134,6 @@ class EngineConfig:
             if not 1 <= self.cpu_attention_threads <= cores:
                 raise ValueError(f"cpu_attention_threads must be from 1 to this machine's {cores} "
                                  f"logical cores, got {self.cpu_attention_threads}")
-        if self.async_scheduling and self.policy != "gpu-only":
-            raise ValueError(f"async_scheduling=True needs policy 'gpu-only', got policy {self.policy!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True needs tensor_parallel_size 1, got "
                              f"{self.tensor_parallel_size}")
@@ -156,6 +157,13 @@ class EngineConfig:
                 raise ValueError(f"{setting.name} must be {names}, got {value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{setting.name} must be a finite number, got {value!r}")
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether async scheduling is on (``async_scheduling``, None resolved for this machine)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.compute_device.type == "cuda" and self.tensor_parallel_size == 1
 
     @property
     def compute_device(self) -> torch.device:

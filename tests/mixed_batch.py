@@ -12,10 +12,12 @@ ABORTED_AT = 3  # tokens the request aborted mid-run has when the abort comes
 STEP_LIMIT = 500  # steps any run here needs at most
 
 
-def engine_for(async_scheduling: bool, gpu_blocks: int, device: str = "cpu") -> LLMEngine:
-    return LLMEngine(EngineConfig(model="neo-tiny", device=device, dtype="float32", policy="gpu-only",
-                                  gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
-                                  perf_model="zero", max_num_seqs=8, async_scheduling=async_scheduling))
+def engine_for(async_scheduling: bool, gpu_blocks: int, device: str = "cpu", policy: str = "gpu-only",
+               host_pipeline: str = "async") -> LLMEngine:
+    return LLMEngine(EngineConfig(model="neo-tiny", device=device, dtype="float32", policy=policy,
+                                  host_pipeline=host_pipeline, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
+                                  cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8,
+                                  async_scheduling=async_scheduling))
 
 
 def reference_run() -> list[tuple[list[int], str]]:

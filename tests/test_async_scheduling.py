@@ -1,13 +1,13 @@
-"""Async scheduling (``EngineConfig.async_scheduling``) on the CPU in float32: iteration k+1 is
+"""Async scheduling (``EngineConfig.async_scheduling``) in float32: iteration k+1 is
 planned and launched before iteration k's tokens are read, so each step returns the tokens of
 the iteration before, and a request that stops has one more token computed and dropped.
 
-The tokens of a mixed batch (on the CPU, and on CUDA where it is present) (different ``max_tokens``, stop token ids, stop strings,
+The tokens of a mixed batch (different ``max_tokens``, stop token ids, stop strings,
 ``min_tokens``, an abort mid-run, seeded sampling at temperature > 0, parallel sampling, and
 requests with penalties or log-probabilities, which take the synchronous order) must equal those
-of the synchronous engine, with a GPU pool large enough for all and one so small that requests
-are preempted; every KV block must be free again afterwards; greedy tokens must equal
-transformers'.
+of the synchronous engine, under gpu-only and neo, on the CPU and on CUDA where it is present,
+with a GPU pool large enough for all and one so small that requests are preempted or decode on
+the host; every KV block must be free again afterwards; greedy tokens must equal transformers'.
 """
 
 import pytest
@@ -28,23 +28,45 @@ DEVICES = [pytest.param(device, marks=[pytest.mark.skip(reason=cuda_skip_reason(
                         if cuda_skip_reason(device) else []) for device in ("cpu", "cuda")]
 
 
+def count_launches_ahead(engine: LLMEngine) -> list[int]:
+    """A one-item list counting the iterations the engine launches to be read after the next
+    launch (planned ahead)."""
+    count = [0]
+    launch = engine.runner.launch
+
+    def counting_launch(plan, on_launched=None, previous=None, read_later=False):
+        count[0] += read_later
+        return launch(plan, on_launched, previous, read_later)
+
+    engine.runner.launch = counting_launch
+    return count
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy, host_pipeline", [("gpu-only", "async"), ("neo", "async"), ("neo", "lockstep")],
+                         ids=["gpu-only", "neo-async", "neo-lockstep"])
 @pytest.mark.parametrize("gpu_blocks", [1024, 12], ids=["roomy", "preempting"])
-def test_mixed_batch_tokens_equal_the_synchronous_engine(gpu_blocks, device, mixed_requests):
+def test_mixed_batch_tokens_equal_the_synchronous_engine(gpu_blocks, policy, host_pipeline, device, mixed_requests):
     """On CUDA the engine replays decode graphs and the tokens are copied back behind events, so
-    the overlap is real there; the tokens must still equal the synchronous engine's."""
-    results = {}
+    the overlap is real there; the tokens must still equal the synchronous engine's. Under neo
+    with a small GPU pool requests decode on the host (iterations then run in the synchronous
+    order) and on the GPU (planned ahead while none is on the host)."""
+    results, metrics = {}, {}
     for async_scheduling in (False, True):
-        engine = engine_for(async_scheduling, gpu_blocks, device)
+        engine = engine_for(async_scheduling, gpu_blocks, device, policy, host_pipeline)
+        launches_ahead = count_launches_ahead(engine)
         try:
             results[async_scheduling] = run_mixed(engine, mixed_requests)
             engine.step()  # the iteration still in flight, if any, only drops tokens
             assert_all_blocks_free(engine)
-            if gpu_blocks == 12:
-                assert engine.metrics.preemptions > 0
+            metrics[async_scheduling] = engine.metrics.as_dict()
         finally:
             engine.close()
+        assert (launches_ahead[0] > 0) == async_scheduling
     assert results[True] == results[False]
+    if gpu_blocks == 12:
+        key = "preemptions" if policy == "gpu-only" else "host_decode_tokens"
+        assert metrics[True][key] > 0 and metrics[False][key] > 0
     reasons = {request_id: completions[0][1] for request_id, completions in results[False].items()}
     assert reasons["0"] == reasons["1"] == "stop"  # the stop string and the stop token were found
     assert reasons["2"] == "length" and reasons["5"] == "abort"
@@ -73,13 +95,17 @@ def test_each_step_returns_the_previous_iterations_tokens():
             engine.close()
 
 
-def test_async_scheduling_is_off_by_default():
-    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", gpu_kv_cache_gib=gib_for_blocks(64)))
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_scheduling_by_default_on_cuda_only(device):
+    """Unset, it is on for one CUDA device and off on the CPU (each step returns its own tokens)."""
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device=device, gpu_kv_cache_gib=gib_for_blocks(64)))
     try:
+        assert engine.async_scheduling == (device == "cuda")
         engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
-        assert len(engine.step()) == 1
+        assert len(engine.step()) == (0 if device == "cuda" else 1)
     finally:
         engine.close()
+    assert not EngineConfig(model="neo-tiny", device=device, tensor_parallel_size=2).schedules_ahead
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +128,6 @@ def test_greedy_equals_transformers(gpu_blocks, expected):
     assert (preemptions > 0) == (gpu_blocks == 8)
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(policy="neo"), "async_scheduling=True needs policy 'gpu-only', got policy 'neo'"),
-    (dict(tensor_parallel_size=2), "async_scheduling=True needs tensor_parallel_size 1, got 2"),
-])
-def test_async_scheduling_where_unsupported_is_refused(settings, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(model="neo-tiny", device="cpu", async_scheduling=True, **settings)
+def test_async_scheduling_with_several_ranks_is_refused():
+    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size 1, got 2"):
+        EngineConfig(model="neo-tiny", device="cpu", async_scheduling=True, tensor_parallel_size=2)

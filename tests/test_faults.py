@@ -34,6 +34,9 @@ SETTINGS = {
                           cpu_attention_kernel=HOST_ATTENTION_KERNEL), ("swap", "iteration", "host_attention")),
     "neo-async": (dict(policy="neo", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="async",
                        cpu_attention_kernel=HOST_ATTENTION_KERNEL), ("swap", "iteration", "launch", "host_attention")),
+    "neo-async-scheduling": (dict(policy="neo", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="async",
+                                  cpu_attention_kernel=HOST_ATTENTION_KERNEL, async_scheduling=True),
+                             ("swap", "iteration", "launch", "host_attention")),
     "full-offload-async": (dict(policy="full-offload", gpu_kv_cache_gib=gib_for_blocks(6), host_pipeline="async",
                                 cpu_attention_kernel=HOST_ATTENTION_KERNEL), ("iteration", "launch", "host_attention")),
 }

@@ -10,7 +10,7 @@ import torch
 
 from neo.config import EngineConfig
 from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from neo.request import Request, RequestStatus
+from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
 from neo.sched.placement.host_batches import InFlightHostBatch
 from neo.runner.model_runner import LaunchedIteration
@@ -92,8 +92,10 @@ class LLMEngine:
         self.profiler = parts.profiler
         self.scheduler = parts.scheduler
         self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
-        self._step_function = (self._step_with_host_batches if parts.asynchronous
-                               else self._step_ahead if config.async_scheduling else self._step)
+        # How a plan runs once made, and whether the next one may be made before its tokens are read.
+        self._run_plan = self._run_with_host_batches if parts.asynchronous else self._run_now
+        self.async_scheduling = config.schedules_ahead
+        self._step_function = self._step_ahead if self.async_scheduling else self._step
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
@@ -270,16 +272,24 @@ class LLMEngine:
 
     def _step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         plan, start, schedule_seconds, segments_freed = self._schedule()
-        failed: list[Request] = []
+        return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, [], [])
+
+    def _run_now(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
+                 segments_freed: int | None, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
+        """Execute the plan and read its tokens (the lockstep host pipeline, gpu-only). ``decoded``
+        and ``failed``: what the step already settled, returned first."""
         output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed, failed)
-        decoded = self.scheduler.update(plan, output)
+        decoded += self.scheduler.update(plan, output)
         if output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded, failed)
 
-    def _step_with_host_batches(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
-        plan, start, schedule_seconds, segments_freed = self._schedule()
-        failed: list[Request] = []
+    def _run_with_host_batches(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
+                               segments_freed: int | None, decoded: list[Request],
+                               failed: list[Request]) -> list[RequestOutput]:
+        """The async and auto host pipelines: launch the plan's host batch, if any, execute the
+        plan, then collect the host batch in flight if it has completed (waiting for it a little
+        when the plan had no GPU work)."""
         if plan.host_batch is not None:
             try:
                 self.runner.launch_host_batch(plan.host_batch)
@@ -304,7 +314,7 @@ class LLMEngine:
                     raise
             if host_batch is not None:
                 self._count_host_batch(host_batch, flight)
-        decoded = self.scheduler.update(plan, output, host_batch)
+        decoded += self.scheduler.update(plan, output, host_batch)
         if plan.host_batch is not None or output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded, failed)
@@ -321,9 +331,11 @@ class LLMEngine:
         request that stopped at k has its token of k+1 dropped and its blocks freed.
 
         It falls back to ``_step``'s order (the tokens of k read before k+1 is planned) where
-        planning needs them: when a request might be evicted for room (``can_plan_ahead``). A
-        plan that uses the tokens on the host when it launches (penalties, log-probabilities;
-        ``_plans_ahead``) or has no sub-batch runs after k's tokens are read, and is read at once.
+        planning needs them: when a request might be evicted for room, or a request decodes on
+        the host (``Scheduler.can_plan_ahead``). A plan that uses the tokens on the host when it
+        launches (penalties, log-probabilities), has host work (a host batch, host decodes, a
+        prompt prefilled into the host pool) or has no sub-batch (``_plans_ahead``) runs after
+        k's tokens are read, as ``_step`` runs it.
         """
         failed: list[Request] = []
         decoded: list[Request] = []
@@ -333,11 +345,8 @@ class LLMEngine:
         if not self._plans_ahead(plan):
             if self._in_flight is not None:
                 decoded += self._settle(failed)
-            output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed, failed)
-            decoded += self.scheduler.update(plan, output)
-            if output is not None:
-                self.metrics.busy_seconds += time.perf_counter() - start
-            return self._outputs(plan, decoded, failed)
+                plan.drop_finished()
+            return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, decoded, failed)
         launched = self._launch(plan, on_launched, failed)
         if self._in_flight is not None:
             decoded += self._settle(failed)
@@ -348,14 +357,15 @@ class LLMEngine:
         self.metrics.busy_seconds += time.perf_counter() - start
         return outputs
 
-    @staticmethod
-    def _plans_ahead(plan: SchedulerOutput) -> bool:
+    def _plans_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether the next plan may be made before this one's tokens are read: it has device
-        work, and no request that needs its tokens on the host when the next one launches
-        (penalties count them; log-probabilities are recorded with them)."""
-        return any(plan.sub_batches) and all(
-            not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
-            for request in plan.requests)
+        work and no host work (nor is a host batch in flight), and no request that needs its
+        tokens on the host when the next one launches (penalties count them; log-probabilities
+        are recorded with them)."""
+        return (any(plan.sub_batches) and plan.host_batch is None and not self.runner.host_batch_in_flight
+                and all(request.location is KVLocation.GPU for request in plan.requests)
+                and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
+                        for request in plan.requests))
 
     def _launch(self, plan: SchedulerOutput, on_launched, failed: list[Request]) -> LaunchedIteration | None:
         """Queue the plan's work, its unresolved tokens taken from the iteration in flight (None

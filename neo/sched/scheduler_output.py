@@ -77,6 +77,14 @@ class SchedulerOutput:
         seen = set()
         return [r for r in self.requests + self.moved if id(r) not in seen and not seen.add(id(r))]
 
+    def drop_finished(self) -> None:
+        """Take out the decodes of requests that ended after the plan was made (async
+        scheduling: the tokens of the iteration before were read only then, and the blocks of
+        a request they ended are free)."""
+        for batch in self.sub_batches:
+            batch.gpu_decodes = [request for request in batch.gpu_decodes if not request.is_finished]
+            batch.host_decodes = [request for request in batch.host_decodes if not request.is_finished]
+
     @property
     def has_swaps(self) -> bool:
         return bool(self.swap_out or self.swap_in)
