@@ -50,6 +50,8 @@ inline constexpr DecodeVariant kDecodeVariants[] = {
     {"w4_l8_p512_pv_db", 4, 8, 512, true, true, false, 12},
     {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16},
     {"w4_l4_p1024_pv_db_et", 4, 4, 1024, true, true, true, 16},
+    {"w4_l16_p512_pv_et", 4, 16, 512, true, false, true, 12},
+    {"w4_l16_p1024_pv_et", 4, 16, 1024, true, false, true, 12},
 };
 inline constexpr int kDecodeVariantCount =
     static_cast<int>(sizeof(kDecodeVariants) / sizeof(kDecodeVariants[0]));
