@@ -41,17 +41,10 @@ struct DecodeVariant {
 inline constexpr DecodeVariant kDecodeVariants[] = {
     {"w4_l8_p512", 4, 8, 512, false, false, false, 16},
     {"w4_l8_p512_pv", 4, 8, 512, true, false, false, 16},
-    {"w4_l16_p512_pv", 4, 16, 512, true, false, false, 12},
-    {"w8_l8_p512_pv", 8, 8, 512, true, false, false, 16},
     {"w4_l8_p1024_pv", 4, 8, 1024, true, false, false, 16},
-    {"w4_l8_p256_pv", 4, 8, 256, true, false, false, 16},
     {"w4_l8_p512_pv_et", 4, 8, 512, true, false, true, 16},
-    {"w4_l4_p512_pv_db", 4, 4, 512, true, true, false, 16},
-    {"w4_l8_p512_pv_db", 4, 8, 512, true, true, false, 12},
-    {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16},
-    {"w4_l4_p1024_pv_db_et", 4, 4, 1024, true, true, true, 16},
-    {"w4_l16_p512_pv_et", 4, 16, 512, true, false, true, 12},
     {"w4_l16_p1024_pv_et", 4, 16, 1024, true, false, true, 12},
+    {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16},
 };
 inline constexpr int kDecodeVariantCount =
     static_cast<int>(sizeof(kDecodeVariants) / sizeof(kDecodeVariants[0]));
@@ -60,8 +53,8 @@ inline constexpr const char* kDecodeVariantVariable = "NEO_DECODE_ATTENTION_VARI
 // Variants the launcher uses when the environment names none: one for batches whose block
 // table spans at most kShortContextTokens tokens per sequence, one for longer ones.
 inline constexpr int kShortContextTokens = 512;
-inline constexpr int kShortContextVariant = 0;
-inline constexpr int kLongContextVariant = 0;
+inline constexpr int kShortContextVariant = 3;  // w4_l8_p512_pv_et
+inline constexpr int kLongContextVariant = 2;   // w4_l8_p1024_pv
 
 // The variant for a block table of `max_blocks_per_seq` columns of `block_size` tokens.
 inline int choose_decode_variant(int64_t max_blocks_per_seq, int block_size) {
