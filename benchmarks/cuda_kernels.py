@@ -15,19 +15,31 @@ Each timing is the median over repeats of a CUDA-event-timed loop that cycles th
 input sets, so the L2 cache cannot serve repeats of the decode inputs. A compact table is
 printed last; ``--json PATH`` also writes every figure.
 
-Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick]
+``--sweep`` measures instead every compiled variant of the decode kernel (the names in
+``neo.ops._cuda_kernels.decode_variants``, selected through the environment variable it names)
+at every decode point: the share of the copy bandwidth and the ratio to the best SDPA per
+variant, each variant's largest deviation from the pure-torch reference on the first input set
+(a variant outside the bf16 tolerance is marked and never counted as best), and the best variant
+per point. Last come the two figures the launcher's heuristic is set from
+(``kShortContextVariant`` and ``kLongContextVariant`` in ``ops_cuda/launchers.h``): per class
+of points (context up to SHORT_CONTEXT_TOKENS, and longer), the variant with the lowest
+geometric mean of its time over the best SDPA, among those correct at every point of the class.
+
+Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick] [--sweep]
 """
 
 import argparse
+import importlib
 import json
 import math
+import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from neo.ops import implementations
+from neo.ops import implementations, reference
 
 DECODE_POINTS = [(256, 128), (256, 256), (256, 512), (64, 4096), (256, 1024), (16, 16384),
                  (128, 2048)]
@@ -35,6 +47,11 @@ QUICK_DECODE_POINTS = [(256, 128), (64, 4096)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # Input sets rotate until they span this many times the L2 cache.
 L2_SPAN = 3
+# Largest |neo - reference| a variant may show on bf16 outputs (the CUDA tests' bf16 atol).
+SWEEP_TOLERANCE = 1.6e-2
+# kShortContextTokens of ops_cuda/launchers.h: block tables up to this many tokens per sequence
+# get the launcher's short-context variant, longer ones its long-context variant.
+SHORT_CONTEXT_TOKENS = 512
 # Llama-3-8B-like sizes for the other kernels.
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
 
@@ -73,18 +90,17 @@ def input_sets(bytes_per_set: int) -> int:
     return max(1, math.ceil(L2_SPAN * l2_bytes / bytes_per_set))
 
 
-def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_second: float,
-                 generator: torch.Generator) -> dict:
+def decode_inputs(num_seqs: int, context: int, generator: torch.Generator):
+    """Input sets for ``neo.paged_decode_attention`` at one point, enough of them to span
+    L2_SPAN times the L2 cache. Returns (list of argument tuples, KV bytes read per call)."""
     dtype = torch.bfloat16
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = num_seqs * blocks_per_seq
     kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
-    sets = input_sets(kv_bytes)
     scale = HEAD_DIM ** -0.5
     cache_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-
-    neo_calls = []
-    for _ in range(sets):
+    sets = []
+    for _ in range(input_sets(kv_bytes)):
         k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
         v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
         table = torch.randperm(num_blocks, generator=generator, device="cuda").int()
@@ -92,14 +108,23 @@ def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_secon
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
                         dtype=dtype)
-        out = torch.empty_like(q)
-        neo_calls.append(lambda out=out, q=q, k=k_cache, v=v_cache, t=table, s=seq_lens:
-                         torch.ops.neo.paged_decode_attention(out, q, k, v, t, s, scale))
-    neo_seconds = time_per_call(neo_calls, repeats)
-    del neo_calls
-    torch.cuda.empty_cache()
+        sets.append((torch.empty_like(q), q, k_cache, v_cache, table, seq_lens, scale))
+    return sets, kv_bytes
 
-    sdpa_seconds = {}
+
+def neo_seconds(sets, repeats: int) -> float:
+    calls = [lambda arguments=arguments: torch.ops.neo.paged_decode_attention(*arguments)
+             for arguments in sets]
+    return time_per_call(calls, repeats)
+
+
+def best_sdpa_seconds(num_seqs: int, context: int, repeats: int,
+                      generator: torch.Generator) -> dict:
+    """torch SDPA on contiguous KV of the same shapes: {"enable_gqa": s, "expanded_kv": s}."""
+    dtype = torch.bfloat16
+    scale = HEAD_DIM ** -0.5
+    kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    seconds = {}
     group = NUM_HEADS // NUM_KV_HEADS
     for variant in ("enable_gqa", "expanded_kv"):
         calls = []
@@ -117,22 +142,137 @@ def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_secon
             gqa = variant == "enable_gqa"
             calls.append(lambda q=q, k=keys, v=values, gqa=gqa:
                          F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa))
-        sdpa_seconds[variant] = time_per_call(calls, repeats)
+        seconds[variant] = time_per_call(calls, repeats)
         del calls
         torch.cuda.empty_cache()
-    best_sdpa = min(sdpa_seconds.values())
+    return seconds
+
+
+def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_second: float,
+                 generator: torch.Generator) -> dict:
+    sets, kv_bytes = decode_inputs(num_seqs, context, generator)
+    seconds = neo_seconds(sets, repeats)
+    del sets
+    torch.cuda.empty_cache()
+    sdpa = best_sdpa_seconds(num_seqs, context, repeats, generator)
     return {
         "num_seqs": num_seqs,
         "context": context,
         "kv_tokens": num_seqs * context,
-        "input_sets": sets,
-        "neo_ms": neo_seconds * 1e3,
-        "kv_gb_per_s": kv_bytes / neo_seconds / 1e9,
-        "percent_of_copy_bandwidth": 100 * kv_bytes / neo_seconds / copy_bytes_per_second,
-        "sdpa_enable_gqa_ms": sdpa_seconds["enable_gqa"] * 1e3,
-        "sdpa_expanded_kv_ms": sdpa_seconds["expanded_kv"] * 1e3,
-        "neo_over_best_sdpa": neo_seconds / best_sdpa,
+        "input_sets": input_sets(kv_bytes),
+        "neo_ms": seconds * 1e3,
+        "kv_gb_per_s": kv_bytes / seconds / 1e9,
+        "percent_of_copy_bandwidth": 100 * kv_bytes / seconds / copy_bytes_per_second,
+        "sdpa_enable_gqa_ms": sdpa["enable_gqa"] * 1e3,
+        "sdpa_expanded_kv_ms": sdpa["expanded_kv"] * 1e3,
+        "neo_over_best_sdpa": seconds / min(sdpa.values()),
     }
+
+
+def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: int,
+                copy_bytes_per_second: float, generator: torch.Generator) -> dict:
+    """Every decode variant at one point, each checked against the reference on the first
+    input set. The variable is restored to its previous state on return."""
+    sets, kv_bytes = decode_inputs(num_seqs, context, generator)
+    expected = torch.empty_like(sets[0][1])
+    reference.paged_decode_attention(expected, *sets[0][1:])
+    previous = os.environ.get(variable)
+    results = {}
+    try:
+        for variant in variants:
+            os.environ[variable] = variant
+            out = sets[0][0]
+            out.fill_(float("nan"))
+            torch.ops.neo.paged_decode_attention(*sets[0])
+            error = (out.float() - expected.float()).abs().max().item()
+            seconds = neo_seconds(sets, repeats)
+            results[variant] = {
+                "neo_ms": seconds * 1e3,
+                "percent_of_copy_bandwidth": 100 * kv_bytes / seconds / copy_bytes_per_second,
+                "max_abs_error": error,
+                "correct": error <= SWEEP_TOLERANCE,  # NaN compares False
+            }
+        # The first variant once more: how far the timing drifted over the sweep of this point.
+        os.environ[variable] = variants[0]
+        again = neo_seconds(sets, repeats) * 1e3
+        first = results[variants[0]]["neo_ms"]
+        drift_percent = 100 * (again - first) / first
+    finally:
+        if previous is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = previous
+    del sets, expected
+    torch.cuda.empty_cache()
+    sdpa = min(best_sdpa_seconds(num_seqs, context, repeats, generator).values())
+    for row in results.values():
+        row["neo_over_best_sdpa"] = row["neo_ms"] / 1e3 / sdpa
+    correct = {name: row for name, row in results.items() if row["correct"]}
+    best = min(correct, key=lambda name: correct[name]["neo_ms"]) if correct else None
+    return {"num_seqs": num_seqs, "context": context, "kv_tokens": num_seqs * context,
+            "best_sdpa_ms": sdpa * 1e3, "variants": results, "best": best,
+            "baseline_drift_percent": drift_percent}
+
+
+def best_per_class(report: dict) -> dict:
+    """{"short" | "long": {"variant": name, "geomean_over_sdpa": x}} over the sweep's points."""
+    classes = {}
+    for label, is_member in (("short", lambda context: context <= SHORT_CONTEXT_TOKENS),
+                             ("long", lambda context: context > SHORT_CONTEXT_TOKENS)):
+        points = [point for point in report["sweep"] if is_member(point["context"])]
+        if not points:
+            continue
+        means = {}
+        for name in report["variants"]:
+            rows = [point["variants"][name] for point in points]
+            if all(row["correct"] for row in rows):
+                means[name] = math.exp(statistics.fmean(
+                    math.log(row["neo_over_best_sdpa"]) for row in rows))
+        if means:
+            best = min(means, key=means.get)
+            classes[label] = {"variant": best, "geomean_over_sdpa": means[best],
+                              "points": len(points)}
+    return classes
+
+
+def print_sweep(report: dict) -> None:
+    print(f"\n{report['device']} | torch {report['torch']} | device-to-device copy "
+          f"{report['copy_gb_per_s']:.0f} GB/s (read + write)")
+    print("\npaged_decode_attention variants, bf16, 32/8 heads, head_dim 128, block 16; per point "
+          "(seqs x context): % of copy bandwidth and time over the best SDPA (X: outside "
+          "tolerance)")
+    points = report["sweep"]
+    variants = report["variants"]
+    width = max(len(name) for name in variants) + len(" drift")
+    cell = 15  # characters per point column
+    print(f"{'':<{width}}" + "".join(f"{point['num_seqs']} x {point['context']}".rjust(cell)
+                                     for point in points))
+    for name in variants:
+        cells = []
+        for point in points:
+            row = point["variants"][name]
+            mark = " " if row["correct"] else "X"
+            cells.append(f"{row['percent_of_copy_bandwidth']:.1f}% "
+                         f"{row['neo_over_best_sdpa']:.3f}x{mark}".rjust(cell))
+        print(f"{name:<{width}}" + "".join(cells))
+    print(f"{variants[0] + ' drift':<{width}}" + "".join(
+        f"{point['baseline_drift_percent']:+.1f}% ".rjust(cell) for point in points))
+    print(f"{'best SDPA ms':<{width}}" + "".join(f"{point['best_sdpa_ms']:.3f} ".rjust(cell)
+                                                for point in points))
+    print("best per point:")
+    for point in points:
+        best = point["variants"].get(point["best"])
+        if best:
+            print(f"  {point['num_seqs']:>4} x {point['context']:<6} {point['best']:<{width}} "
+                  f"{best['percent_of_copy_bandwidth']:5.1f}% of copy, "
+                  f"{best['neo_over_best_sdpa']:.3f}x best SDPA")
+        else:
+            print(f"  {point['num_seqs']:>4} x {point['context']:<6} no variant within tolerance")
+    print(f"heuristic (ops_cuda/launchers.h; short: context <= {SHORT_CONTEXT_TOKENS} tokens):")
+    for label, best in report["best_per_class"].items():
+        index = variants.index(best["variant"])
+        print(f"  {label:<5} {best['variant']} (index {index}): geometric mean "
+              f"{best['geomean_over_sdpa']:.3f}x best SDPA over {best['points']} points")
 
 
 def other_kernels(repeats: int, generator: torch.Generator) -> list[dict]:
@@ -241,12 +381,43 @@ def print_tables(report: dict) -> None:
               f"{row['speedup_over_reference']:>8.1f} {bandwidth}  {row['shape']}")
 
 
+def run_sweep(report: dict, points, repeats: int, copy: float, generator: torch.Generator,
+              json_path: str | None) -> int:
+    module = importlib.import_module("neo.ops._cuda_kernels")
+    variants = list(module.decode_variants)
+    report["variants"] = variants
+    report["sweep"] = []
+    for num_seqs, context in points:
+        point = sweep_point(num_seqs, context, variants, module.decode_variant_variable, repeats,
+                            copy, generator)
+        report["sweep"].append(point)
+        best = point["variants"].get(point["best"])
+        summary = (f"best {point['best']}: {best['percent_of_copy_bandwidth']:.1f}% of copy "
+                   f"bandwidth, {best['neo_over_best_sdpa']:.2f}x best SDPA" if best
+                   else "no variant within tolerance")
+        print(f"sweep {num_seqs} x {context}: {summary}", flush=True)
+    report["best_per_class"] = best_per_class(report)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    print_sweep(report)
+    wrong = [(point["num_seqs"], point["context"], name) for point in report["sweep"]
+             for name, row in point["variants"].items() if not row["correct"]]
+    if wrong:
+        print(f"cuda_kernels: variants outside tolerance: {wrong}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
     parser.add_argument("--quick", action="store_true",
                         help=f"only the decode points {QUICK_DECODE_POINTS}, 5 repeats")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every decode kernel variant at every decode point (and no other "
+                             "kernels)")
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -271,6 +442,8 @@ def main(argv=None) -> int:
         "decode": [],
         "kernels": [],
     }
+    if arguments.sweep:
+        return run_sweep(report, points, repeats, copy, generator, arguments.json)
     for num_seqs, context in points:
         row = decode_point(num_seqs, context, repeats, copy, generator)
         report["decode"].append(row)

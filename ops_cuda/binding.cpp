@@ -13,6 +13,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -139,6 +141,22 @@ void check_cache_layout(const char* op, const at::Tensor& k_cache, const at::Ten
 
 // ---- paged_decode_attention ---------------------------------------------------------------
 
+// The decode kernel variant named by the environment variable kDecodeVariantVariable, or the
+// launcher's choice for the block table's width when it is unset, empty or "auto".
+int decode_variant(const char* op, int64_t max_blocks_per_seq, int64_t block_size) {
+  const char* requested = std::getenv(neo_cuda::kDecodeVariantVariable);
+  if (requested == nullptr || requested[0] == '\0' || std::strcmp(requested, "auto") == 0) {
+    return neo_cuda::choose_decode_variant(max_blocks_per_seq, static_cast<int>(block_size));
+  }
+  std::string names = "auto";
+  for (int index = 0; index < neo_cuda::kDecodeVariantCount; ++index) {
+    if (std::strcmp(requested, neo_cuda::kDecodeVariants[index].name) == 0) return index;
+    names += std::string(", ") + neo_cuda::kDecodeVariants[index].name;
+  }
+  throw_value_error(op, neo_cuda::kDecodeVariantVariable, "=", std::string(requested),
+                    " names no decode kernel variant; choose one of ", names);
+}
+
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale) {
@@ -189,11 +207,15 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const cudaStream_t stream = current_stream(q);
   const at::Tensor table = with_contiguous_rows(block_table);
   const at::Tensor lengths = seq_lens.contiguous();
-  const int max_partitions = neo_cuda::decode_partition_count(table.size(1), block_size);
+  const int variant = decode_variant(op, table.size(1), block_size);
+  const int partition_size = neo_cuda::kDecodeVariants[variant].partition_size;
+  const int max_partitions =
+      neo_cuda::decode_partition_count(table.size(1), static_cast<int>(block_size), partition_size);
   NEO_CHECK(max_partitions <= kMaxDecodePartitions, op, "block_table has ", table.size(1),
             " columns of ", block_size, " tokens, more than the ",
-            kMaxDecodePartitions * neo_cuda::kDecodePartitionSize,
-            " tokens per sequence this kernel supports");
+            kMaxDecodePartitions * partition_size,
+            " tokens per sequence this kernel supports with decode variant ",
+            neo_cuda::kDecodeVariants[variant].name);
 
   neo_cuda::PagedDecodeAttentionParams params{};
   params.out = out.data_ptr();
@@ -208,6 +230,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   params.head_dim = static_cast<int>(head_dim);
   params.block_size = static_cast<int>(block_size);
   params.block_table_stride = static_cast<int>(table.stride(0));
+  params.max_blocks_per_seq = static_cast<int>(table.size(1));
+  params.partition_size = partition_size;
   params.max_partitions = max_partitions;
   params.scale = static_cast<float>(scale);
 
@@ -224,7 +248,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     params.partial_max = partial_max.data_ptr<float>();
     params.partial_sum = partial_sum.data_ptr<float>();
   }
-  neo_cuda::launch_paged_decode_attention(params, dtype, stream);
+  neo_cuda::launch_paged_decode_attention(params, variant, dtype, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (max_partitions > 1) {
     neo_cuda::launch_paged_decode_attention_merge(params, dtype, stream);
@@ -602,11 +626,38 @@ void register_kernels(torch::Library& library) {
 TORCH_LIBRARY_IMPL(neo, CUDA, library) { register_kernels(library); }
 TORCH_LIBRARY_IMPL(neo_cuda, CUDA, library) { register_kernels(library); }
 
-// `import neo.ops._cuda_kernels` loads this library (running the registrations above); the
-// module itself is empty.
+// `import neo.ops._cuda_kernels` loads this library (running the registrations above). The
+// module holds two attributes: `decode_variants`, the names of the decode kernel variants in
+// launcher order, and `decode_variant_variable`, the environment variable that selects one.
 PyMODINIT_FUNC PyInit__cuda_kernels(void) {
-  static struct PyModuleDef module = {
+  static struct PyModuleDef definition = {
       PyModuleDef_HEAD_INIT, "_cuda_kernels", nullptr, -1, nullptr, nullptr, nullptr, nullptr,
       nullptr};
-  return PyModule_Create(&module);
+  PyObject* module = PyModule_Create(&definition);
+  if (module == nullptr) return nullptr;
+  PyObject* names = PyTuple_New(neo_cuda::kDecodeVariantCount);
+  if (names == nullptr) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  for (int index = 0; index < neo_cuda::kDecodeVariantCount; ++index) {
+    PyObject* name = PyUnicode_FromString(neo_cuda::kDecodeVariants[index].name);
+    if (name == nullptr) {
+      Py_DECREF(names);
+      Py_DECREF(module);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(names, index, name);  // steals the reference
+  }
+  if (PyModule_AddObject(module, "decode_variants", names) < 0) {
+    Py_DECREF(names);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  if (PyModule_AddStringConstant(module, "decode_variant_variable",
+                                 neo_cuda::kDecodeVariantVariable) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }

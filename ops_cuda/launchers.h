@@ -17,9 +17,50 @@ enum class DataType { Float32, Float16, BFloat16 };
 
 // ---- paged decode attention ---------------------------------------------------------------
 
-// KV tokens one thread block attends to; longer sequences are split into partitions whose
-// partial results are merged by launch_paged_decode_attention_merge.
-constexpr int kDecodePartitionSize = 512;
+// Compile-time configurations of the decode kernel. Each one is a separate instantiation; the
+// launcher picks one with choose_decode_variant, and the environment variable
+// kDecodeVariantVariable may name one instead (benchmarks sweep them that way).
+struct DecodeVariant {
+  const char* name;
+  int warps;            // warps per thread block
+  int loads_in_flight;  // 16-byte K or V loads per lane issued before any is used (halved
+                        // for 8 query heads per block, whose accumulators take the registers)
+  int partition_size;   // KV tokens one thread block attends to; longer sequences are split
+                        // and merged by launch_paged_decode_attention_merge
+  bool prefetch_values; // the first V loads of each warp are issued before the softmax, so
+                        // they are in flight while the block waits at its barriers
+  bool double_buffered; // each warp issues the loads of its next K or V chunk before using
+                        // the current one (twice the load registers)
+  bool early_table;     // the partition's block-table entries and the query are loaded
+                        // together with seq_len instead of after it
+  int resident_warps;   // warps per SM the register allocation must leave room for
+};
+
+// Names spell the fields: w<warps>_l<loads_in_flight>_p<partition_size>, then pv
+// (prefetch_values), db (double_buffered), et (early_table).
+inline constexpr DecodeVariant kDecodeVariants[] = {
+    {"w4_l8_p512", 4, 8, 512, false, false, false, 16},
+    {"w4_l8_p512_pv", 4, 8, 512, true, false, false, 16},
+    {"w4_l8_p1024_pv", 4, 8, 1024, true, false, false, 16},
+    {"w4_l8_p512_pv_et", 4, 8, 512, true, false, true, 16},
+    {"w4_l16_p1024_pv_et", 4, 16, 1024, true, false, true, 12},
+    {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16},
+};
+inline constexpr int kDecodeVariantCount =
+    static_cast<int>(sizeof(kDecodeVariants) / sizeof(kDecodeVariants[0]));
+inline constexpr const char* kDecodeVariantVariable = "NEO_DECODE_ATTENTION_VARIANT";
+
+// Variants the launcher uses when the environment names none: one for batches whose block
+// table spans at most kShortContextTokens tokens per sequence, one for longer ones.
+inline constexpr int kShortContextTokens = 512;
+inline constexpr int kShortContextVariant = 3;  // w4_l8_p512_pv_et
+inline constexpr int kLongContextVariant = 2;   // w4_l8_p1024_pv
+
+// The variant for a block table of `max_blocks_per_seq` columns of `block_size` tokens.
+inline int choose_decode_variant(int64_t max_blocks_per_seq, int block_size) {
+  return max_blocks_per_seq * block_size <= kShortContextTokens ? kShortContextVariant
+                                                                : kLongContextVariant;
+}
 
 struct PagedDecodeAttentionParams {
   void* out;                  // [num_seqs, num_heads, head_dim]
@@ -38,20 +79,25 @@ struct PagedDecodeAttentionParams {
   int head_dim;               // a multiple of 16, at most 256
   int block_size;             // a power of two, 8..128
   int block_table_stride;     // elements between rows of block_table
-  int max_partitions;         // ceil(max_blocks_per_seq * block_size / kDecodePartitionSize)
+  int max_blocks_per_seq;     // columns of block_table
+  int partition_size;         // the chosen variant's partition_size
+  int max_partitions;         // ceil(max_blocks_per_seq * block_size / partition_size)
   float scale;                // softmax scale applied to q . k
 };
 
-// Number of partitions the grid must cover for a block table of `max_blocks_per_seq` columns.
-inline int decode_partition_count(int64_t max_blocks_per_seq, int block_size) {
+// Number of partitions of `partition_size` tokens the grid must cover for a block table of
+// `max_blocks_per_seq` columns.
+inline int decode_partition_count(int64_t max_blocks_per_seq, int block_size,
+                                  int partition_size) {
   const int64_t tokens = max_blocks_per_seq * block_size;
-  const int64_t partitions = (tokens + kDecodePartitionSize - 1) / kDecodePartitionSize;
+  const int64_t partitions = (tokens + partition_size - 1) / partition_size;
   return partitions < 1 ? 1 : static_cast<int>(partitions);
 }
 
-// Attention of each partition; sequences with a single partition write `out` directly.
-void launch_paged_decode_attention(const PagedDecodeAttentionParams& params, DataType dtype,
-                                   cudaStream_t stream);
+// Attention of each partition with kDecodeVariants[variant] (whose partition_size must be
+// params.partition_size); sequences with a single partition write `out` directly.
+void launch_paged_decode_attention(const PagedDecodeAttentionParams& params, int variant,
+                                   DataType dtype, cudaStream_t stream);
 
 // Log-sum-exp merge of the partitions of split sequences into `out`; launch only when
 // max_partitions > 1.

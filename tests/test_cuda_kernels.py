@@ -5,11 +5,13 @@ included, against the reference. This file adds what only the GPU path has: swap
 GPU and pinned host memory on the caller's stream, non-contiguous rotary views, flash-attention
 prefill in half precision, the partitioned (split-K) decode path at long contexts, every head
 size and block size the decode kernel has a separate code path for, and the grid-padding
-behaviour of sequences with seq_len 0.
+behaviour of sequences with seq_len 0. The decode checks run once per compiled decode kernel
+variant (``ops_cuda/launchers.h``), selected through the environment variable the op reads.
 
 Every test skips when CUDA is absent; with CUDA present, a missing build fails.
 """
 
+import importlib
 import itertools
 import time
 import warnings
@@ -24,6 +26,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="CUDA is not available (torch.cuda.is_available() is False)"),
 ]
+
+# The decode kernel variants of ops_cuda/launchers.h, in launcher order; the first test below
+# fails when the build's list differs.
+DECODE_VARIANTS = ("w4_l8_p512", "w4_l8_p512_pv", "w4_l8_p1024_pv", "w4_l8_p512_pv_et", "w4_l16_p1024_pv_et",
+                   "w4_l4_p512_pv_db_et")
+DECODE_VARIANT_VARIABLE = "NEO_DECODE_ATTENTION_VARIANT"
+# Block id of the unused block-table entries: rows through it lie far outside any cache.
+UNUSED_BLOCK_ID = 2**31 - 1
 
 TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 2e-5},
@@ -45,11 +55,37 @@ def cuda_ops():
     return torch.ops.neo_cuda
 
 
+@pytest.fixture(params=DECODE_VARIANTS)
+def decode_variant(request, monkeypatch):
+    """Selects one decode kernel variant for the test; returns its name."""
+    monkeypatch.setenv(DECODE_VARIANT_VARIABLE, request.param)
+    return request.param
+
+
+def test_decode_variant_list_matches_the_build(cuda_ops):
+    module = importlib.import_module("neo.ops._cuda_kernels")
+    assert module.decode_variants == DECODE_VARIANTS
+    assert module.decode_variant_variable == DECODE_VARIANT_VARIABLE
+
+
+def test_decode_unknown_variant_is_rejected(cuda_ops, monkeypatch):
+    monkeypatch.setenv(DECODE_VARIANT_VARIABLE, "w3_l9")
+    generator = torch.Generator(device="cuda").manual_seed(6)
+    k_cache, v_cache, table, seq_lens = make_paged_cache([20], 2, 64, 16, torch.float16,
+                                                         generator)
+    q = torch.randn(1, 4, 64, generator=generator, device="cuda").half()
+    with pytest.raises(ValueError, match=f"{DECODE_VARIANT_VARIABLE}=w3_l9 names no decode"):
+        cuda_ops.paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, table,
+                                        seq_lens, 0.125)
+
+
 def make_paged_cache(lengths, num_kv_heads, head_dim, block_size, dtype, generator):
     """Random K/V caches with spare blocks and a shuffled block table for ``lengths``.
 
     Returns (k_cache, v_cache, block_table int32 [S, max_blocks], seq_lens int32 [S]). Slots past
-    each sequence's length inside its last block hold NaN, so reading them shows up.
+    each sequence's length inside its last block hold NaN, so reading them shows up; table
+    entries past each sequence's blocks hold an id far outside the cache, so a kernel may load
+    them but faults if it reads a row through one.
     """
     device = "cuda"
     blocks_per_seq = [max(1, -(-length // block_size)) for length in lengths]
@@ -59,7 +95,8 @@ def make_paged_cache(lengths, num_kv_heads, head_dim, block_size, dtype, generat
     k_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
     v_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
     order = torch.randperm(num_blocks, generator=generator, device=device)
-    table = torch.zeros(len(lengths), max_blocks, dtype=torch.int32, device=device)
+    table = torch.full((len(lengths), max_blocks), UNUSED_BLOCK_ID, dtype=torch.int32,
+                       device=device)
     used = 0
     for row, (length, count) in enumerate(zip(lengths, blocks_per_seq)):
         table[row, :count] = order[used:used + count].int()
@@ -89,7 +126,7 @@ def check_decode(cuda_ops, lengths, num_heads, num_kv_heads, head_dim, block_siz
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
-def test_decode_every_head_dim_and_block_size(cuda_ops, head_dim, block_size):
+def test_decode_every_head_dim_and_block_size(cuda_ops, decode_variant, head_dim, block_size):
     lengths = [1, block_size, block_size + 1, 300, 511, 512, 513, 1300]
     check_decode(cuda_ops, lengths, 8, 2, head_dim, block_size, torch.bfloat16, seed=head_dim)
 
@@ -97,23 +134,25 @@ def test_decode_every_head_dim_and_block_size(cuda_ops, head_dim, block_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (12, 4), (32, 8), (28, 4),
                                                     (16, 1), (40, 2)])
-def test_decode_group_sizes(cuda_ops, dtype, num_heads, num_kv_heads):
+def test_decode_group_sizes(cuda_ops, decode_variant, dtype, num_heads, num_kv_heads):
     """MHA, GQA groups of 2/3/4/7/20 and MQA with 16 heads (blocks serve up to 8 heads)."""
     check_decode(cuda_ops, [1, 17, 700, 64], num_heads, num_kv_heads, 128, 16, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_long_context_partitions(cuda_ops, dtype):
-    """A 20K-token sequence is split over 40 partitions and merged; short ones write directly."""
-    check_decode(cuda_ops, [20_000, 513, 1, 4096], 32, 8, 128, 16, dtype, seed=7)
+def test_decode_long_context_partitions(cuda_ops, decode_variant, dtype):
+    """A 20K-token sequence is split over many partitions and merged; lengths at and just past
+    each variant's partition size (256, 512, 1024) take the direct and the split path."""
+    check_decode(cuda_ops, [20_000, 513, 1, 4096, 256, 257, 1024, 1025], 32, 8, 128, 16, dtype,
+                 seed=7)
 
 
-def test_decode_wide_block_table(cuda_ops):
+def test_decode_wide_block_table(cuda_ops, decode_variant):
     """A block table wider than any sequence needs: extra partitions must stay idle."""
     generator = torch.Generator(device="cuda").manual_seed(3)
     k_cache, v_cache, table, seq_lens = make_paged_cache([40, 3], 2, 64, 16, torch.float16,
                                                          generator)
-    wide = torch.zeros(2, 200, dtype=torch.int32, device="cuda")
+    wide = torch.full((2, 200), UNUSED_BLOCK_ID, dtype=torch.int32, device="cuda")
     wide[:, :table.shape[1]] = table
     q = torch.randn(2, 4, 64, generator=generator, device="cuda").half()
     expected = torch.empty_like(q)
@@ -124,7 +163,7 @@ def test_decode_wide_block_table(cuda_ops):
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float16])
 
 
-def test_decode_zero_length_rows_are_zero(cuda_ops):
+def test_decode_zero_length_rows_are_zero(cuda_ops, decode_variant):
     """Padding rows (seq_len 0, e.g. in a padded CUDA-graph batch) get zeros, never NaN."""
     generator = torch.Generator(device="cuda").manual_seed(4)
     k_cache, v_cache, table, seq_lens = make_paged_cache([33, 1], 2, 128, 16, torch.bfloat16,
@@ -137,7 +176,7 @@ def test_decode_zero_length_rows_are_zero(cuda_ops):
     assert torch.isfinite(out[0].float()).all()
 
 
-def test_decode_opcheck_split_path(cuda_ops):
+def test_decode_opcheck_split_path(cuda_ops, decode_variant):
     generator = torch.Generator(device="cuda").manual_seed(5)
     k_cache, v_cache, table, seq_lens = make_paged_cache([1200, 5], 2, 128, 16, torch.bfloat16,
                                                          generator)
