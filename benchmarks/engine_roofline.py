@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from models.causal_lm import count_parameters
 from neo import EngineConfig, LLMEngine, SamplingParams
 from neo.bench import device_name
+from neo.models.causal_lm import count_parameters
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 20) -> float:

@@ -196,7 +196,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
             host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
                                            max_blocks_per_sequence, graph_context, pad_rows)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
-                         pipeline_graphs, host_batches, plan_channel)
+                         pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs)
 
     perf_model, profiler = PerfModel.zero(), None
     if offloading:  # the profiler, when it runs, measures through the runner built above

@@ -493,7 +493,9 @@ class LLMEngine:
         """The requests whose work failed, the plan's requests ended while planning, then those
         that got a token; one output per request. (Under async scheduling a request can get the
         token of the previous iteration and then end in the same step, its work failed or no
-        room left for it: its one output is then the ended one, that token included.)"""
+        room left for it: its one output is then the ended one, that token included. It can
+        also get two tokens in one step, when the plan runs after the late read: one output
+        holds both.)"""
         now = time.monotonic()
         outputs = [self._output(request) for request in failed]
         ended = {id(request) for request in failed}
@@ -502,11 +504,12 @@ class LLMEngine:
                            request.request_id, request.num_tokens)
             outputs.append(self._finished(request, now))
             ended.add(id(request))
-        for request in decoded:
+        for request in decoded:  # twice when a late read and the plan run after it both gave it a token
             if request.first_token_time is None:
                 request.first_token_time = now
             self.metrics.output_tokens += 1
             if id(request) not in ended:
+                ended.add(id(request))
                 outputs.append(self._finished(request, now) if request.is_finished else self._output(request))
         self.metrics.preemptions = self.scheduler.num_preemptions
         return outputs

@@ -63,11 +63,12 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
                  stage_orders: dict[int, StageOrder], decode_graphs: DecodeGraphs | None = None,
                  pipeline_graphs: PipelineGraphs | None = None, host_batches: HostBatchRunner | None = None,
-                 plan_channel: PlanChannel | None = None):
+                 plan_channel: PlanChannel | None = None, max_sampled_rows: int = 1):
         """``stage_orders``: the order of a plan of that many sub-batches that names none.
         ``host_batches``: runs the host batches of the async host pipeline (None: lockstep).
         ``plan_channel``: on the driver of several ranks, where each plan goes first (None: one
-        rank, or a rank that follows)."""
+        rank, or a rank that follows). ``max_sampled_rows``: the most tokens an iteration samples
+        (the page-locked buffers they are read through are allocated for that many now)."""
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
@@ -79,7 +80,7 @@ class ModelRunner:
         self.plan_channel = plan_channel
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
-        self.host_token_buffers = HostTokenBuffers()
+        self.host_token_buffers = HostTokenBuffers(device, max_sampled_rows)
         # Both kinds of graphs are captured for the same context (``EngineConfig.cuda_graph_max_context``).
         self.graph_coverage = GraphCoverage(
             decode_max_requests=decode_graphs.sizes[-1] if decode_graphs is not None else 0,

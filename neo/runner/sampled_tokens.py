@@ -18,12 +18,16 @@ BUFFERS_IN_FLIGHT = 2  # the copy of k+1 is queued while the host still reads th
 
 
 class HostTokenBuffers:
-    """A ring of page-locked int64 buffers the sampled tokens are copied into (on CUDA), each
-    grown to the next power of two when a batch outgrows it: allocating page-locked memory waits
-    for the whole device, so it is done rarely and never per iteration."""
+    """A ring of page-locked int64 buffers the sampled tokens are copied into (on CUDA).
+    Allocating page-locked memory waits for the whole device (a host batch in flight included),
+    so the buffers are made when the engine is built, ``rows`` tokens each, and only a batch
+    that outgrows them grows one, to the next power of two."""
 
-    def __init__(self):
-        self._buffers: list[torch.Tensor | None] = [None] * BUFFERS_IN_FLIGHT
+    def __init__(self, device: torch.device, rows: int):
+        """``rows``: the most tokens one iteration samples (the engine's ``max_num_seqs``)."""
+        self._buffers: list[torch.Tensor | None] = [
+            torch.empty(rows, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else None
+            for _ in range(BUFFERS_IN_FLIGHT)]
         self._next = 0
 
     def start_copy(self, sampled: torch.Tensor) -> "SampledTokens":
