@@ -35,12 +35,13 @@ part two before it has completed::
     queued at   | launch   launch   advance after   advance after   with the last part
                 |                   part 0 ended    part 1 ended
 
-So launching costs the engine's thread about two graph replays and never waits on the driver's
-queue. A model of at most ``layers_per_part`` layers has one part, launched whole. The sampled
+So at most ``2 * layers_per_part`` host functions are pending (32 with the default 16 layers),
+within the driver's queue: launching costs the engine's thread about two graph replays and
+never waits on the driver. A model of at most ``layers_per_part`` layers has one part, launched whole. The sampled
 tokens are copied to pinned memory behind an event that ``collect`` polls; the batch's
 ``started``/``ended`` timing events bracket all its parts.
 
-The eager path is unchanged: a batch with no graph (contexts beyond the graphs' limit, or no
+The eager path has no parts: a batch with no graph (contexts beyond the graphs' limit, or no
 CUDA) is queued whole at launch, and where host work cannot be ordered on streams (no CUDA, or
 CPU kernels written in Python) it runs to completion when it is launched.
 """
@@ -144,7 +145,7 @@ class HostBatchRunner:
             flight = _InFlight(batch.host_decodes, started, launched_at, replay is not None)
             if replay is not None:
                 flight.parts = _QueuedParts(replay, [])
-                self._queue_due_parts(flight)
+                self._queue_due_parts(flight, most=PARTS_PENDING)
             else:
                 self._queue_sampling(flight, self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS))
         if not self.asynchronous:  # it ran to completion here
@@ -221,20 +222,24 @@ class HostBatchRunner:
         return HostBatchOutput(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
                                flight.replayed_graph, flight.wait_seconds)
 
-    def _queue_due_parts(self, flight: _InFlight) -> None:
-        """Queue parts while fewer than ``PARTS_PENDING`` queued ones are unfinished (an event
-        follows each part but the last), then, after the last part, the sampling."""
+    def _queue_due_parts(self, flight: _InFlight, most: int | None = None) -> None:
+        """Queue parts while fewer than ``PARTS_PENDING`` queued ones are unfinished, at most
+        ``most`` of them (None: no limit); an event follows each part but the last, and the
+        sampling follows the last."""
         parts = flight.parts
-        while not parts.replay.all_queued:
+        queued = 0
+        while not parts.replay.all_queued and (most is None or queued < most):
             if len(parts.ends) >= PARTS_PENDING and not parts.ends[-PARTS_PENDING].query():
                 return
             parts.replay.queue_next()
             self.part_launches += 1
+            queued += 1
             if not parts.replay.all_queued:
                 parts.ends.append(torch.cuda.Event())
                 parts.ends[-1].record()
-        flight.parts = None
-        self._queue_sampling(flight, parts.replay.logits())
+        if parts.replay.all_queued:
+            flight.parts = None
+            self._queue_sampling(flight, parts.replay.logits())
 
     def _queue_sampling(self, flight: _InFlight, logits: torch.Tensor) -> None:
         """Sample the batch's tokens from its float32 ``logits [requests, vocab]`` and, on CUDA,
