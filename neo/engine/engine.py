@@ -287,9 +287,11 @@ class LLMEngine:
     def _run_with_host_batches(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
                                segments_freed: int | None, decoded: list[Request],
                                failed: list[Request]) -> list[RequestOutput]:
-        """The async and auto host pipelines: launch the plan's host batch, if any, execute the
-        plan, then collect the host batch in flight if it has completed (waiting for it a little
-        when the plan had no GPU work)."""
+        """The async and auto host pipelines: queue the next layer parts of the host batch in
+        flight that are due, launch the plan's host batch, if any, execute the plan, then collect
+        the host batch in flight if it has completed (waiting for it a little when the plan had no
+        GPU work)."""
+        self.runner.advance_host_batch()
         if plan.host_batch is not None:
             try:
                 self.runner.launch_host_batch(plan.host_batch)

@@ -22,6 +22,14 @@ that each device works on one while the other device works on the other::
 Whole-request swaps between the pools are queued on the copy stream at the start, one event per
 layer, which the compute stream waits for before the layer's first ``pre``. No step
 synchronizes the device.
+
+The layers may also be walked in parts (``forward_layers`` over a ``range`` of layers, one of
+``layer_parts``): a part runs the expanded order's steps of its layers, in the same order, and
+hands its sub-batches' ``HiddenStates`` (the last layer's output and the residual stream) to the
+next. Each step of a layer belongs to that layer's part, so no host attention is pending at a
+part's end. For the sequential orders the parts' steps joined are exactly the whole walk; for the
+two-sub-batch orders a part boundary drops the overlap across it (a layer's last ``post`` is
+issued before the next part's first ``pre``), which keeps every step after the steps it needs.
 """
 
 import logging
@@ -44,6 +52,33 @@ logger = logging.getLogger(__name__)
 MAX_SUB_BATCHES = 2  # sub-batches in flight at once
 
 
+def layer_parts(num_layers: int, layers_per_part: int) -> list[range]:
+    """``range(num_layers)`` split into the fewest consecutive parts of at most
+    ``layers_per_part`` layers each, as even as they can be (the first parts one layer longer
+    where the layers do not divide evenly)."""
+    if isinstance(layers_per_part, bool) or not isinstance(layers_per_part, int) or layers_per_part < 1:
+        raise ValueError(f"layers_per_part must be an integer of at least 1, got {layers_per_part!r}")
+    if num_layers < 1:
+        raise ValueError(f"a model to split in parts needs at least one layer, got num_layers={num_layers}")
+    num_parts = -(-num_layers // layers_per_part)
+    base, longer = divmod(num_layers, num_parts)
+    parts, start = [], 0
+    for index in range(num_parts):
+        stop = start + base + (index < longer)
+        parts.append(range(start, stop))
+        start = stop
+    return parts
+
+
+@dataclass
+class HiddenStates:
+    """One sub-batch's activations between two layers: the last layer's output and the residual
+    stream, ``[T, hidden]`` each (the embeddings and None before the first layer)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+
+
 @dataclass
 class IterationTiming:
     """An iteration's timing events on the compute stream: its span (start, end) and the
@@ -56,10 +91,10 @@ class IterationTiming:
 class _SubBatchState:
     """One sub-batch's activations while it moves through the layers."""
 
-    def __init__(self, metadata: AttentionMetadata, hidden: torch.Tensor):
+    def __init__(self, metadata: AttentionMetadata, hidden: torch.Tensor, residual: torch.Tensor | None = None):
         self.metadata = metadata
         self.hidden = hidden  # [T, hidden]
-        self.residual: torch.Tensor | None = None
+        self.residual = residual  # [T, hidden]; None before the first layer
         self.query = self.key = self.value = None  # the current layer's, from pre
         self.attention_output: torch.Tensor | None = None  # [T, H, D]
         self.pending = None  # the current layer's host attention in flight
@@ -118,7 +153,7 @@ class PipelineExecutor:
         states = [_SubBatchState(inputs.metadata, self.model.embed(inputs.input_ids)) for inputs in batches]
         swap_events = self._start_swaps(swap_out, swap_in)
         try:
-            self._walk(order, states, swap_events)
+            self._walk(order, states, swap_events, range(self.num_layers))
         except BaseException:
             self._drain(states)
             raise
@@ -134,13 +169,30 @@ class PipelineExecutor:
         when ``pad_rows``)."""
         return padded_logits(self.model, hidden) if self.pad_rows else self.model.compute_logits(hidden)
 
-    def forward_all_rows(self, input_ids: list[torch.Tensor], metadata: list[AttentionMetadata],
-                         order: StageOrder) -> list[torch.Tensor]:
-        """Every layer in ``order`` for sub-batches without prefills and swaps, and the final
-        norm of every row: ``[T_b, hidden]`` per sub-batch. What ``PipelineGraphs`` captures;
-        ``prepare`` and ``end`` stay outside the capture."""
-        states = [_SubBatchState(meta, self.model.embed(ids)) for ids, meta in zip(input_ids, metadata)]
-        self._walk(order, states, None)
+    def embed(self, input_ids: list[torch.Tensor]) -> list[HiddenStates]:
+        """Each sub-batch's int64 ``input_ids [T_b]`` embedded: the input of layer 0."""
+        return [HiddenStates(self.model.embed(ids), None) for ids in input_ids]
+
+    def forward_layers(self, states: list[HiddenStates], metadata: list[AttentionMetadata], order: StageOrder,
+                       layers: range) -> list[HiddenStates]:
+        """The steps of ``layers`` (consecutive, within the model) in ``order``, for sub-batches
+        without swaps (``run`` queues those); ``states``: each sub-batch's input to ``layers.start``
+        (``embed``'s for layer 0). Returns each sub-batch's output of ``layers.stop - 1``, with
+        no host attention left pending. What ``PipelineGraphs`` captures, part by part, between
+        ``embed`` and ``final_norm``; ``prepare`` and ``end`` stay outside the capture."""
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= self.num_layers:
+            raise ValueError(f"layers must be a non-empty range of consecutive layers within "
+                             f"[0, {self.num_layers}), got {layers}")
+        if (layers.start == 0) != all(state.residual is None for state in states):
+            raise ValueError(f"the states given for layers {layers} must have a residual exactly when "
+                             f"they are not the embeddings (layers.start > 0)")
+        walking = [_SubBatchState(meta, state.hidden, state.residual) for state, meta in zip(states, metadata)]
+        self._walk(order, walking, None, layers)
+        return [HiddenStates(state.hidden, state.residual) for state in walking]
+
+    def final_norm(self, states: list[HiddenStates]) -> list[torch.Tensor]:
+        """The final norm of every row of each sub-batch's output of the last layer:
+        ``[T_b, hidden]`` per sub-batch."""
         return [self.model.final_norm(state.hidden, state.residual) for state in states]
 
     def prepare(self, metadata: list[AttentionMetadata]) -> None:
@@ -194,12 +246,15 @@ class PipelineExecutor:
 
     # -- the walk ------------------------------------------------------------------------------
 
-    def _walk(self, order: StageOrder, states: list[_SubBatchState], swap_events) -> None:
+    def _walk(self, order: StageOrder, states: list[_SubBatchState], swap_events, layers: range) -> None:
+        """The expanded order's steps of ``layers``, in order."""
         if len(states) != order.num_sub_batches:
             raise ValueError(f"stage order {order.name!r} runs {order.num_sub_batches} sub-batches, "
                              f"the plan has {len(states)}")
         swaps_waited = -1  # the last layer whose swaps the compute stream waits for
         for step in order.steps(self.num_layers):
+            if step.layer not in layers:
+                continue
             state, layer = states[step.sub_batch], step.layer
             stage = step.stage
             if stage is Stage.PRE:

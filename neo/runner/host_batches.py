@@ -21,15 +21,33 @@ its cuBLAS workspace, and concurrent GEMMs on a shared workspace deadlocked the 
 ``neo.runner.decode_graphs``).
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
-(``HostDecodeStage``), and its decode-only iteration is replayed from a pipeline CUDA graph
-when one fits, so launching it costs the launching thread about one graph replay. The sampled
-tokens are copied to pinned memory behind an event that ``collect`` polls. Where host work
-cannot be ordered on streams (no CUDA, or CPU kernels written in Python), a batch runs to
-completion when it is launched.
+(``HostDecodeStage``), and its decode-only iteration is replayed from pipeline CUDA graphs when
+they fit. The CUDA driver holds only a few dozen pending host functions per stream; a launch
+beyond that blocks the launching thread until the host has run enough of them, and a graph of
+every layer holds one host function per layer. So the layers are captured in parts of at most
+``layers_per_part`` layers (``neo.runner.executor.layer_parts``; one graph per part,
+``neo.runner.pipeline_graphs``), and at most two parts are pending at a time: ``launch`` queues
+the first two, each followed by an event on the host stream, and ``advance`` (which the engine
+calls every step, and ``ready``/``collect`` call while they poll) queues the next part once the
+part two before it has completed::
+
+    host stream | part 0 | part 1 | ...... part 2 | ...... part 3 | logits, sampling, token copy
+    queued at   | launch   launch   advance after   advance after   with the last part
+                |                   part 0 ended    part 1 ended
+
+So at most ``2 * layers_per_part`` host functions are pending (32 with the default 16 layers),
+within the driver's queue: launching costs the engine's thread about two graph replays and
+never waits on the driver. A model of at most ``layers_per_part`` layers has one part, launched whole. The sampled
+tokens are copied to pinned memory behind an event that ``collect`` polls; the batch's
+``started``/``ended`` timing events bracket all its parts.
+
+The eager path has no parts: a batch with no graph (contexts beyond the graphs' limit, or no
+CUDA) is queued whole at launch, and where host work cannot be ordered on streams (no CUDA, or
+CPU kernels written in Python) it runs to completion when it is launched.
 """
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,30 +59,42 @@ from neo.sched.scheduler_output import SubBatch
 from neo.sched.stage_order import HOST_BATCH
 
 from .batch_inputs import build_batch_inputs
-from .executor import PipelineExecutor
+from .executor import PipelineExecutor, layer_parts
 from .host_attention import HostKernels
 from .host_worker import HostAttentionWorker
 from .logits_processors import process_logits
-from .pipeline_graphs import PipelineGraphs
+from .pipeline_graphs import PartReplay, PipelineGraphs
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
+DEFAULT_LAYERS_PER_PART = 16
+PARTS_PENDING = 2  # graph parts queued and not yet completed, at most
+
+
+@dataclass
+class _QueuedParts:
+    """A graph replay whose parts are being queued, and an event recorded after each queued part."""
+
+    replay: PartReplay
+    ends: list[torch.cuda.Event]
 
 
 @dataclass
 class _InFlight:
     requests: list[Request]
-    tokens: torch.Tensor  # int64 [n], on the host once ``done`` has passed
-    done: torch.cuda.Event | None  # None: completed at launch
     started: torch.cuda.Event | None  # timing events on the host stream
-    ended: torch.cuda.Event | None
     launched_at: float
-    host_seconds: float | None  # known at launch when it ran to completion
     replayed_graph: bool
+    parts: _QueuedParts | None = None  # parts still to queue; None once the sampling is queued
+    tokens: torch.Tensor | None = None  # int64 [n], on the host once ``done`` has passed
+    done: torch.cuda.Event | None = None  # None: completed at launch
+    ended: torch.cuda.Event | None = None
+    host_seconds: float | None = None  # known at launch when it ran to completion
     logprobs: TokenLogprobs | None = None  # on the device until ``done`` has passed
     wait_seconds: float = 0.0  # spent in ``collect`` waiting for it
+    failure: Exception | None = None  # raised queuing a later part: the batch is over
 
 
 class HostBatchRunner:
@@ -72,9 +102,11 @@ class HostBatchRunner:
 
     def __init__(self, model, kv_cache: KVCache, host_kernels: HostKernels, worker: HostAttentionWorker,
                  device: torch.device, max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
-                 pad_rows: bool = False):
+                 pad_rows: bool = False, layers_per_part: int = DEFAULT_LAYERS_PER_PART):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
-        many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.runner.gemm_rows`` buckets."""
+        many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.runner.gemm_rows`` buckets.
+        ``layers_per_part``: the most layers one graph part holds (at least 1)."""
+        parts = layer_parts(len(model.layers), layers_per_part)
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.executor = PipelineExecutor(model, kv_cache, device, host_kernels, worker, max_host_decodes=max_decodes,
@@ -83,71 +115,81 @@ class HostBatchRunner:
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.graphs = None
         if self.asynchronous and graph_context is not None:
-            self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device)
+            self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device,
+                                         parts=parts)
         self.sampler = Sampler()
         # The sampled tokens of the batch in flight land here (allocated once: allocating
         # page-locked memory waits for the whole device, the batch just queued included).
         self.token_buffer = (torch.empty(max_decodes, dtype=torch.int64, pin_memory=True)
                              if self.stream is not None else None)
         self._in_flight: _InFlight | None = None
+        self.part_launches = 0  # graph parts queued so far, over all batches
 
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
     def launch(self, batch: SubBatch) -> None:
-        """Queue the batch (host decodes only; their slots made) on the host stream."""
+        """Queue the batch (host decodes only; their slots made) on the host stream: its first
+        two graph parts, or the whole batch where no graph replays."""
         if self._in_flight is not None:
             raise RuntimeError("a host batch is already in flight")
         if batch.prefills or batch.gpu_decodes or not batch.host_decodes:
             raise ValueError("a host batch holds host decodes only")
-        requests = batch.host_decodes
         launched_at = time.perf_counter()
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+        with self._on_host_stream():
             started = self._timing_event()
             inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
-            logits = None
             shape = self.graphs.shape([inputs]) if self.graphs is not None else None
-            if shape is not None:
-                logits = self.graphs.run([inputs], shape, HOST_BATCH)
-            replayed = logits is not None
-            if logits is None:
-                logits = self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
-            sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
-                                   [r.generator for r in requests])
-            logprobs = TokenLogprobs.compute(logits, sampled, requests)
-            done = ended = None
-            if self.stream is not None:
-                tokens = self.token_buffer[:len(requests)]
-                tokens.copy_(sampled, non_blocking=True)
-                ended = self._timing_event()
-                done = torch.cuda.Event()
-                done.record()
+            replay = self.graphs.start([inputs], shape, HOST_BATCH) if shape is not None else None
+            flight = _InFlight(batch.host_decodes, started, launched_at, replay is not None)
+            if replay is not None:
+                flight.parts = _QueuedParts(replay, [])
+                self._queue_due_parts(flight, most=PARTS_PENDING)
             else:
-                tokens = sampled
-        host_seconds = None
+                self._queue_sampling(flight, self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS))
         if not self.asynchronous:  # it ran to completion here
-            if done is not None:
-                done.synchronize()
-            done = None
-            host_seconds = self.executor.host_busy_seconds()
-        self._in_flight = _InFlight(requests, tokens, done, started, ended, launched_at, host_seconds, replayed,
-                                    logprobs)
+            if flight.done is not None:
+                flight.done.synchronize()
+            flight.done = None
+            flight.host_seconds = self.executor.host_busy_seconds()
+        self._in_flight = flight
+
+    def advance(self) -> None:
+        """Queue the next graph parts of the batch in flight whose turn has come (each once the
+        part two before it has completed), and the sampling behind the last part; does nothing
+        when no batch is in flight or all its parts are queued. Never waits for the device; what
+        fails here ends the batch and is raised by ``collect``."""
+        flight = self._in_flight
+        if flight is None or flight.parts is None:
+            return
+        try:
+            with self._on_host_stream():
+                self._queue_due_parts(flight)
+        except Exception as error:
+            flight.parts = None
+            flight.failure = error
 
     def follow(self, batch: SubBatch) -> None:
         """A tensor-parallel rank other than the driver: queue a host batch received from it
         (``neo.runner.rank_plan``) on the host stream; its logits only join the driver's, which
         samples, so nothing is kept in flight here."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+        with self._on_host_stream():
             inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
             self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
         if not self.asynchronous:  # it ran to completion here
             self.executor.raise_host_failure()
 
     def ready(self) -> bool:
-        """Whether a launched batch has completed (False when none is in flight)."""
+        """Whether a launched batch has completed (False when none is in flight); queues its
+        next parts first (``advance``)."""
         flight = self._in_flight
-        return flight is not None and (flight.done is None or flight.done.query())
+        if flight is None:
+            return False
+        self.advance()
+        if flight.failure is not None:
+            return True
+        return flight.parts is None and (flight.done is None or flight.done.query())
 
     def collect(self, wait_seconds: float) -> HostBatchOutput | None:
         """The batch in flight once it has completed, waiting up to ``wait_seconds`` for it;
@@ -164,6 +206,9 @@ class HostBatchRunner:
         if not self.ready():
             return None
         self._in_flight = None
+        if flight.failure is not None:
+            self.stream.synchronize()  # the parts queued before it still use the batch's buffers
+            raise flight.failure
         if flight.done is not None:
             flight.done.synchronize()
         self.executor.raise_host_failure()
@@ -176,6 +221,47 @@ class HostBatchRunner:
         host_seconds = flight.host_seconds if flight.host_seconds is not None else self.executor.host_busy_seconds()
         return HostBatchOutput(flight.requests, flight.tokens.tolist(), seconds, host_seconds or 0.0,
                                flight.replayed_graph, flight.wait_seconds)
+
+    def _queue_due_parts(self, flight: _InFlight, most: int | None = None) -> None:
+        """Queue parts while fewer than ``PARTS_PENDING`` queued ones are unfinished, at most
+        ``most`` of them (None: no limit); an event follows each part but the last, and the
+        sampling follows the last."""
+        parts = flight.parts
+        queued = 0
+        while not parts.replay.all_queued and (most is None or queued < most):
+            if len(parts.ends) >= PARTS_PENDING and not parts.ends[-PARTS_PENDING].query():
+                return
+            parts.replay.queue_next()
+            self.part_launches += 1
+            queued += 1
+            if not parts.replay.all_queued:
+                parts.ends.append(torch.cuda.Event())
+                parts.ends[-1].record()
+        if parts.replay.all_queued:
+            flight.parts = None
+            self._queue_sampling(flight, parts.replay.logits())
+
+    def _queue_sampling(self, flight: _InFlight, logits: torch.Tensor) -> None:
+        """Sample the batch's tokens from its float32 ``logits [requests, vocab]`` and, on CUDA,
+        copy them to pinned memory behind the ``ended`` and ``done`` events (on the host stream)."""
+        requests = flight.requests
+        sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
+                               [r.generator for r in requests])
+        flight.logprobs = TokenLogprobs.compute(logits, sampled, requests)
+        if self.stream is None:
+            flight.tokens = sampled
+            return
+        flight.tokens = self.token_buffer[:len(requests)]
+        flight.tokens.copy_(sampled, non_blocking=True)
+        flight.ended = self._timing_event()
+        flight.done = torch.cuda.Event()
+        flight.done.record()
+
+    @contextmanager
+    def _on_host_stream(self):
+        """The context a batch's work is queued in: the host stream (on CUDA), inference mode."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+            yield
 
     def _timing_event(self) -> torch.cuda.Event | None:
         if self.stream is None:

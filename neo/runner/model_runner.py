@@ -193,6 +193,12 @@ class ModelRunner:
         shard (async host pipeline)."""
         self.host_batches.follow(batch)
 
+    def advance_host_batch(self) -> None:
+        """Queue the next layer parts of the host batch in flight whose turn has come
+        (``HostBatchRunner.advance``); nothing without one."""
+        if self.host_batches is not None:
+            self.host_batches.advance()
+
     @property
     def host_batch_in_flight(self) -> bool:
         return self.host_batches is not None and self.host_batches.in_flight

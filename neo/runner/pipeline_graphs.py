@@ -20,8 +20,18 @@ Padding GPU rows decode a dummy token (slot -1: nothing stored; length 1 against
 ``DecodeGraphs``; padding host rows go through the GPU stages and the copies, but the host
 functions attend only over the real rows, so they cost the host nothing. Logits of the real
 rows are computed after the replay. Graphs are captured on the first iteration of a shape and
-at most ``capacity`` are kept (the least recently used is dropped). A capture that fails turns
-the graphs off with a warning; iterations then run eagerly.
+at most ``capacity`` shapes are kept (the least recently used is dropped). A capture that fails
+turns the graphs off with a warning; iterations then run eagerly.
+
+Parts: the layers may be captured as consecutive parts (``parts``, from
+``neo.runner.executor.layer_parts``), one graph per (order, shape, part), all captured in part
+order on the shape's first iteration into the shared memory pool. The first part starts from the
+embeddings, the last ends with the final norm; between two parts the hidden states and the
+residual stream stay in the earlier part's output tensors (kept with the capture, so no later
+capture reuses their memory), which the next part reads. ``start`` loads an iteration's inputs
+and returns a ``PartReplay`` that queues one part at a time, so a caller can hold back the
+later parts (``neo.runner.host_batches``); ``run`` queues them all at once. With one part
+(the default) a replay is the single graph of the whole iteration.
 """
 
 import logging
@@ -34,7 +44,7 @@ from neo.models.attention_metadata import AttentionMetadata
 from neo.sched.stage_order import StageOrder
 from .batch_inputs import BatchInputs
 from .decode_graphs import graph_block_width
-from .executor import MAX_SUB_BATCHES, PipelineExecutor
+from .executor import MAX_SUB_BATCHES, HiddenStates, PipelineExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +84,10 @@ def graph_shape(metadata: list[AttentionMetadata], sizes: list[int], max_blocks:
 
 @dataclass
 class _Capture:
-    graph: torch.cuda.CUDAGraph
+    graphs: list[torch.cuda.CUDAGraph]  # one per part, replayed in part order
+    boundaries: list[list[HiddenStates]]  # per part, per sub-batch: its output, the next part's input
     hidden: list[torch.Tensor]  # per sub-batch: [G + C, hidden] final-normed states
-    wait_events: list  # the compute stream's timed waits for the host inside the graph
+    wait_events: list  # the compute stream's timed waits for the host inside the graphs
 
 
 class StaticInputs:
@@ -127,9 +138,18 @@ class PipelineGraphs:
     """Captured decode-only iterations with host decodes, keyed by padded shape."""
 
     def __init__(self, model, executor: PipelineExecutor, max_decodes: int, max_context: int,
-                 block_size: int, device: torch.device, capacity: int = DEFAULT_CAPACITY):
+                 block_size: int, device: torch.device, capacity: int = DEFAULT_CAPACITY,
+                 parts: list[range] | None = None):
+        """``parts``: consecutive layer ranges from layer 0 to the last, one graph each (None:
+        one part of every layer)."""
         if not executor.stream_ordered_host_work:
             raise ValueError("pipeline graphs need the stream-ordered host stage (CUDA and the ISPC kernels)")
+        self.parts = [range(executor.num_layers)] if parts is None else list(parts)
+        starts = [0] + [layers.stop for layers in self.parts[:-1]]
+        if ([layers.start for layers in self.parts] != starts or self.parts[-1].stop != executor.num_layers
+                or any(layers.step != 1 or not layers for layers in self.parts)):
+            raise ValueError(f"parts must be consecutive non-empty layer ranges from 0 to {executor.num_layers}, "
+                             f"got {self.parts}")
         self.model = model
         self.executor = executor
         self.device = device
@@ -154,9 +174,23 @@ class PipelineGraphs:
     @torch.inference_mode()
     def run(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...],
             order: StageOrder) -> torch.Tensor | None:
-        """Replay ``shape`` (from ``shape``) in ``order`` for the plan; returns float32 logits
-        ``[requests, vocab]`` in batch order, or None when the capture failed (run the plan
-        eagerly)."""
+        """Replay ``shape`` (from ``shape``) in ``order`` for the plan, every part at once;
+        returns float32 logits ``[requests, vocab]`` in batch order, or None when the capture
+        failed (run the plan eagerly)."""
+        replay = self.start(batches, shape, order)
+        if replay is None:
+            return None
+        while not replay.all_queued:
+            replay.queue_next()
+        return replay.logits()
+
+    @torch.inference_mode()
+    def start(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...],
+              order: StageOrder) -> "PartReplay | None":
+        """Capture ``shape`` in ``order`` if it is new, then load the plan's inputs (the static
+        buffers and the executor's host metadata, which stay the plan's until its last part has
+        run); returns the replay to queue part by part, or None when the capture failed (run the
+        plan eagerly)."""
         key = (order.name, shape)
         capture = self.captures.get(key)
         if capture is None:
@@ -167,11 +201,7 @@ class PipelineGraphs:
         self.executor.prepare([inputs.metadata for inputs in batches])
         for static, inputs, (gpu_rows, host_rows) in zip(self.inputs, batches, shape):
             static.load(inputs, gpu_rows, host_rows)
-        capture.graph.replay()
-        self.executor.end(capture.wait_events)
-        rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self.inputs, batches, capture.hidden, shape)
-                for row in static.real_rows(hidden, inputs, gpu_rows)]
-        return self.executor.compute_logits(torch.cat(rows))
+        return PartReplay(self, capture, batches, shape)
 
     def _capture(self, shape: tuple[tuple[int, int], ...], order: StageOrder) -> _Capture | None:
         while len(self.captures) >= self.capacity:
@@ -179,21 +209,66 @@ class PipelineGraphs:
         metadata = [static.metadata(gpu_rows, host_rows)
                     for static, (gpu_rows, host_rows) in zip(self.inputs, shape)]
         input_ids = [static.input_ids[:gpu_rows + host_rows] for static, (gpu_rows, host_rows) in zip(self.inputs, shape)]
-        graph = torch.cuda.CUDAGraph()
+        last_layer = self.parts[-1].stop
+        graphs, boundaries = [], []
         self.executor.take_wait_events()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
-                                  capture_error_mode="thread_local"):
-                hidden = self.executor.forward_all_rows(input_ids, metadata, order)
+            for layers in self.parts:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                                      capture_error_mode="thread_local"):
+                    states = self.executor.embed(input_ids) if not boundaries else boundaries[-1]
+                    states = self.executor.forward_layers(states, metadata, order, layers)
+                    if layers.stop == last_layer:
+                        hidden = self.executor.final_norm(states)
+                self.pool = graph.pool()
+                graphs.append(graph)
+                boundaries.append(states)
         except RuntimeError as error:
             self.enabled = False
             self.captures.clear()
-            logger.warning("capturing the pipelined decode iteration %s as a CUDA graph failed (%s): "
+            logger.warning("capturing the pipelined decode iteration %s as CUDA graphs failed (%s): "
                            "these iterations run eagerly from now on", shape, error)
             return None
-        self.pool = graph.pool()
-        capture = _Capture(graph, hidden, self.executor.take_wait_events())
+        capture = _Capture(graphs, boundaries, hidden, self.executor.take_wait_events())
         self.captures[(order.name, shape)] = capture
-        logger.info("captured a pipelined decode CUDA graph for (GPU, host) rows %s in the %s order", shape,
-                    order.name)
+        logger.info("captured a pipelined decode CUDA graph for (GPU, host) rows %s in the %s order, "
+                    "in %d part(s)", shape, order.name, len(graphs))
         return capture
+
+
+class PartReplay:
+    """One plan's replay of a captured iteration (``PipelineGraphs.start``), its parts queued in
+    order on the current stream, then its logits."""
+
+    def __init__(self, graphs: PipelineGraphs, capture: _Capture, batches: list[BatchInputs],
+                 shape: tuple[tuple[int, int], ...]):
+        self._graphs = graphs
+        self._capture = capture
+        self._batches = batches
+        self._shape = shape
+        self.num_parts = len(capture.graphs)
+        self.queued = 0  # parts queued so far
+
+    @property
+    def all_queued(self) -> bool:
+        return self.queued == self.num_parts
+
+    def queue_next(self) -> None:
+        """Queue the next part's graph (behind the parts queued before it)."""
+        if self.all_queued:
+            raise RuntimeError(f"all {self.num_parts} parts of the replay are queued already")
+        self._capture.graphs[self.queued].replay()
+        self.queued += 1
+
+    def logits(self) -> torch.Tensor:
+        """Once every part is queued: the float32 logits ``[requests, vocab]`` of the plan's
+        real rows, in batch order (queued behind the last part)."""
+        if not self.all_queued:
+            raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
+        executor = self._graphs.executor
+        executor.end(self._capture.wait_events)
+        rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self._graphs.inputs, self._batches,
+                                                                       self._capture.hidden, self._shape)
+                for row in static.real_rows(hidden, inputs, gpu_rows)]
+        return executor.compute_logits(torch.cat(rows))
