@@ -59,9 +59,10 @@ class EngineConfig:
         reach the host: its input ids are taken on the device from the previous iteration's
         samples, and the previous tokens are read, checked against the stop conditions and
         returned while the device runs the new iteration (``LLMEngine``). A request that stops
-        has one more token computed, which is dropped. Under the offloading policies an
-        iteration is planned ahead only while no request decodes on the host (the host's
-        tokens come from work the GPU iteration does not order). One rank only. None (the
+        has one more token computed, which is dropped. Under the offloading policies the
+        GPU's iterations are planned ahead, and host batches launched and collected beside them;
+        an iteration that itself decodes on the host (the lockstep pipeline) or prefills into
+        the host pool runs after the previous tokens are read. One rank only. None (the
         default): on for a CUDA device with one rank, off on the CPU (nothing runs beside the
         host's work there, so it gains nothing).
 

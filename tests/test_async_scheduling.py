@@ -29,13 +29,14 @@ DEVICES = [pytest.param(device, marks=[pytest.mark.skip(reason=cuda_skip_reason(
 
 
 def count_launches_ahead(engine: LLMEngine) -> list[int]:
-    """A one-item list counting the iterations the engine launches to be read after the next
-    launch (planned ahead)."""
-    count = [0]
+    """A two-item list counting the iterations the engine launches to be read after the next
+    launch (planned ahead), all of them and those launched while a host batch was in flight."""
+    count = [0, 0]
     launch = engine.runner.launch
 
     def counting_launch(plan, on_launched=None, previous=None, read_later=False):
         count[0] += read_later
+        count[1] += read_later and engine.runner.host_batch_in_flight
         return launch(plan, on_launched, previous, read_later)
 
     engine.runner.launch = counting_launch
@@ -63,10 +64,14 @@ def test_mixed_batch_tokens_equal_the_synchronous_engine(gpu_blocks, policy, hos
         finally:
             engine.close()
         assert (launches_ahead[0] > 0) == async_scheduling
+        if async_scheduling:
+            launches_beside_host_batches = launches_ahead[1]
     assert results[True] == results[False]
     if gpu_blocks == 12:
         key = "preemptions" if policy == "gpu-only" else "host_decode_tokens"
         assert metrics[True][key] > 0 and metrics[False][key] > 0
+        if host_pipeline == "async" and policy == "neo":  # GPU iterations planned ahead beside host batches
+            assert launches_beside_host_batches > 0
     reasons = {request_id: completions[0][1] for request_id, completions in results[False].items()}
     assert reasons["0"] == reasons["1"] == "stop"  # the stop string and the stop token were found
     assert reasons["2"] == "length" and reasons["5"] == "abort"

@@ -93,6 +93,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
         # How a plan runs once made, and whether the next one may be made before its tokens are read.
+        self._host_batches = parts.asynchronous
         self._run_plan = self._run_with_host_batches if parts.asynchronous else self._run_now
         self.async_scheduling = config.schedules_ahead
         self._step_function = self._step_ahead if self.async_scheduling else self._step
@@ -291,35 +292,49 @@ class LLMEngine:
         flight that are due, launch the plan's host batch, if any, execute the plan, then collect
         the host batch in flight if it has completed (waiting for it a little when the plan had no
         GPU work)."""
-        self.runner.advance_host_batch()
-        if plan.host_batch is not None:
-            try:
-                self.runner.launch_host_batch(plan.host_batch)
-            except BaseException as error:
-                if self.rank_workers is not None and isinstance(error, Exception):
-                    error = self.rank_workers.failure(error)
-                failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
-                if not isinstance(error, Exception):
-                    self._fail(plan.affected_requests, error, "the engine was interrupted")
-                    raise
+        self._launch_host_batch(plan, failed)
         launch_seconds = time.perf_counter() - start
         output = self._execute(plan, on_launched, start, schedule_seconds, launch_seconds, segments_freed, failed)
-        host_batch = None
-        if self.runner.host_batch_in_flight:
-            flight = self.scheduler.placement.in_flight
-            try:
-                host_batch = self.runner.collect_host_batch(HOST_BATCH_WAIT_SECONDS if output is None else 0.0)
-            except BaseException as error:
-                failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed")
-                if not isinstance(error, Exception):  # the plan's tokens would not be appended
-                    self._fail(plan.affected_requests, error, "the engine was interrupted")
-                    raise
-            if host_batch is not None:
-                self._count_host_batch(host_batch, flight)
+        host_batch = self._collect_host_batch(plan, HOST_BATCH_WAIT_SECONDS if output is None else 0.0, failed)
         decoded += self.scheduler.update(plan, output, host_batch)
         if plan.host_batch is not None or output is not None:
             self.metrics.busy_seconds += time.perf_counter() - start
         return self._outputs(plan, decoded, failed)
+
+    def _launch_host_batch(self, plan: SchedulerOutput, failed: list[Request]) -> None:
+        """Queue the due layer parts of the host batch in flight, then the plan's host batch, if
+        any (when its launch fails its requests are ended and added to ``failed``)."""
+        self.runner.advance_host_batch()
+        if plan.host_batch is None:
+            return
+        try:
+            self.runner.launch_host_batch(plan.host_batch)
+        except BaseException as error:
+            if self.rank_workers is not None and isinstance(error, Exception):
+                error = self.rank_workers.failure(error)
+            failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
+            if not isinstance(error, Exception):
+                self._fail(plan.affected_requests, error, "the engine was interrupted")
+                raise
+
+    def _collect_host_batch(self, plan: SchedulerOutput, wait_seconds: float,
+                            failed: list[Request]) -> HostBatchOutput | None:
+        """The host batch in flight if it completed within ``wait_seconds`` (None: none did; when
+        it failed its requests are ended and added to ``failed``)."""
+        if not self.runner.host_batch_in_flight:
+            return None
+        flight = self.scheduler.placement.in_flight
+        try:
+            host_batch = self.runner.collect_host_batch(wait_seconds)
+        except BaseException as error:
+            failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed")
+            if not isinstance(error, Exception):  # the plan's tokens would not be appended
+                self._fail(plan.affected_requests, error, "the engine was interrupted")
+                raise
+            return None
+        if host_batch is not None:
+            self._count_host_batch(host_batch, flight)
+        return host_batch
 
     def _step_ahead(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         """Async scheduling: plan and launch iteration k+1 before reading iteration k's tokens.
@@ -332,11 +347,15 @@ class LLMEngine:
         the device's previous one, and each step returns the tokens of the iteration before. A
         request that stopped at k has its token of k+1 dropped and its blocks freed.
 
+        Under the async and auto host pipelines a host batch is independent of the GPU's
+        iterations: the plan's host batch, if any, is launched before k+1 and the one in flight
+        collected after k's tokens are read, as ``_run_with_host_batches`` does.
+
         It falls back to ``_step``'s order (the tokens of k read before k+1 is planned) where
-        planning needs them: when a request might be evicted for room, or a request decodes on
-        the host (``Scheduler.can_plan_ahead``). A plan that uses the tokens on the host when it
-        launches (penalties, log-probabilities), has host work (a host batch, host decodes, a
-        prompt prefilled into the host pool) or has no sub-batch (``_plans_ahead``) runs after
+        planning needs them: when a request might be evicted for room
+        (``Scheduler.can_plan_ahead``). A plan that uses the tokens on the host when it launches
+        (penalties, log-probabilities), decodes on the host in the iteration itself or
+        prefills a prompt into the host pool, or has no sub-batch (``_plans_ahead``) runs after
         k's tokens are read, as ``_step`` runs it.
         """
         failed: list[Request] = []
@@ -349,9 +368,15 @@ class LLMEngine:
                 decoded += self._settle(failed)
                 plan.drop_finished()
             return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, decoded, failed)
+        if self._host_batches:
+            self._launch_host_batch(plan, failed)
         launched = self._launch(plan, on_launched, failed)
         if self._in_flight is not None:
             decoded += self._settle(failed)
+        if self._host_batches:
+            host_batch = self._collect_host_batch(plan, 0.0, failed)
+            if host_batch is not None:
+                decoded += self.scheduler.update(plan, None, host_batch)
         outputs = self._outputs(plan, decoded, failed)  # snapshots before the plan's tokens are counted
         if launched is not None:
             self.scheduler.advance(plan)
@@ -359,13 +384,14 @@ class LLMEngine:
         self.metrics.busy_seconds += time.perf_counter() - start
         return outputs
 
-    def _plans_ahead(self, plan: SchedulerOutput) -> bool:
+    @staticmethod
+    def _plans_ahead(plan: SchedulerOutput) -> bool:
         """Whether the next plan may be made before this one's tokens are read: it has device
-        work and no host work (nor is a host batch in flight), and no request that needs its
-        tokens on the host when the next one launches (penalties count them; log-probabilities
-        are recorded with them)."""
-        return (any(plan.sub_batches) and plan.host_batch is None and not self.runner.host_batch_in_flight
-                and all(request.location is KVLocation.GPU for request in plan.requests)
+        work, all of it on requests whose KV is in the GPU pool (a host batch beside it is
+        launched and collected on its own), and no request that needs its tokens on the host
+        when the next one launches (penalties count them; log-probabilities are recorded with
+        them)."""
+        return (any(plan.sub_batches) and all(request.location is KVLocation.GPU for request in plan.requests)
                 and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
                         for request in plan.requests))
 

@@ -357,12 +357,8 @@ class Scheduler:
     # -- planning ahead (async scheduling) -------------------------------------------------------
 
     def can_plan_ahead(self) -> bool:
-        """Whether a plan may be made before the tokens of the iteration in flight are read: no
-        request decodes on the host (its tokens come from host work the iteration does not
-        order) and every running request of the GPU pool can have its next token's slot without
+        """Whether every running request of the GPU pool can have its next token's slot without
         evicting a request, so that a plan made now preempts and ends none."""
-        if self.placement.host_batch_in_flight or any(request.location is HOST for request in self.running):
-            return False
         manager = self.block_manager
         needed = sum(1 for request in self.running if request.location is GPU and manager.needs_new_block(request))
         return needed <= manager.num_free(GPU)
