@@ -6,7 +6,8 @@ by stage like the pipeline) on 2 spawned ranks; every step's logits must equal t
 model's within float32 reduction-order rounding. Models: neo-tiny (built-in weights and dummy
 weights), a sharded Qwen3 directory, Qwen2 (q/k/v biases) and Llama with o/MLP biases (the
 row-parallel biases are added once). The dummy weights of a rank must be the one-rank dummy
-weights sliced, and a model whose KV heads do not divide is refused with its numbers.
+weights sliced, and a model whose KV heads do not divide is refused with its numbers. The GPU
+pool's activation measure runs on each rank with the rank's KV heads.
 """
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from model_harness import PagedKVHarness
 from model_reference import BLOCK_SIZE, STEPS, assert_logits_close, make_sequences, save_variant
+from neo import EngineConfig
+from neo.kv.budget import prefill_probe
 from neo.models.loader import load_model, resolve_model_config
 from neo.models.parallel import TensorParallel, check_divisible, rank_config
 from tensor_parallel_harness import run_ranks
@@ -63,6 +66,19 @@ def _rank_schedules(rank: int, size: int, directory) -> None:
                                         "down": layer.down_proj_weight.clone(),
                                         "embed": model.embed_tokens_weight.clone()}
     torch.save(results, directory / f"rank{rank}.pt")
+
+
+def _rank_prefill_probe(rank: int, size: int) -> None:
+    """The GPU pool's activation measure runs the largest prefill against caches of the rank's
+    KV heads (a cache of every head fails the attention's shape check)."""
+    model = _load("neo-tiny", "dummy", None, TensorParallel(dist.group.WORLD))
+    assert model.rank_config.num_kv_heads == model.config.num_kv_heads // size
+    prefill_probe(model, EngineConfig(model="neo-tiny", device="cpu", max_num_batched_tokens=96, max_num_seqs=4),
+                  torch.device("cpu"), max_model_len=40)
+
+
+def test_the_activation_measure_runs_on_each_rank_with_its_kv_heads():
+    run_ranks(_rank_prefill_probe, 2)
 
 
 @pytest.fixture(scope="module")

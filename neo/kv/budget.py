@@ -52,6 +52,21 @@ def device_pool_bytes(config: EngineConfig, free: float, total: float, activatio
 @torch.inference_mode()
 def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
     """Peak extra memory of a prefill of ``max_num_batched_tokens`` tokens (no KV stored)."""
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    prefill_probe(model, config, device, max_model_len)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    logger.info("activation peak for %d tokens: %.2f GiB", config.max_num_batched_tokens, peak / GIB)
+    return peak
+
+
+@torch.inference_mode()
+def prefill_probe(model, config: EngineConfig, device: torch.device, max_model_len: int) -> None:
+    """Run the largest prefill an iteration can hold (``max_num_batched_tokens`` tokens in
+    sequences of at most ``max_model_len``) and its last rows' logits on random token ids,
+    storing no KV: the caches it is given hold no block, shaped as this rank's (its KV heads)."""
     model_config = model.config
     num_tokens = config.max_num_batched_tokens
     sequence_length = min(num_tokens, max_model_len)
@@ -62,7 +77,7 @@ def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, ma
     for length in lengths:
         cu_seqlens.append(cu_seqlens[-1] + length)
     positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
-    empty_cache = torch.empty((0, model_config.num_kv_heads, config.block_size, model_config.head_dim),
+    empty_cache = torch.empty((0, model.rank_config.num_kv_heads, config.block_size, model_config.head_dim),
                               dtype=next(model.parameters()).dtype, device=device)
     empty_table = torch.empty((0, 0), dtype=torch.int32, device=device)
     no_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
@@ -77,12 +92,5 @@ def _activation_peak_bytes(model, config: EngineConfig, device: torch.device, ma
         num_offloaded_prefill_tokens=0,
         prefill_host_slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
     input_ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=device)
-    torch.cuda.synchronize(device)
-    baseline = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
     hidden = model.forward(input_ids, metadata, [(empty_cache, empty_cache)] * model_config.num_layers)
     model.compute_logits(hidden[-min(num_tokens, config.max_num_seqs):])
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - baseline
-    logger.info("activation peak for %d tokens: %.2f GiB", num_tokens, peak / GIB)
-    return peak
