@@ -37,7 +37,11 @@ POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_m
 # named where it differs from the current scheduler's): those rows compare two schedulers.
 H100_SCENARIOS = [
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
-     200, 30, (1.91,), "2026-11-25 ninth session, current scheduler (28734b7)"),
+     200, 30, (705.3 / 325.3,), "2026-11-25 tenth session, current engine (c212560)"),
+    ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR),
+     200, 30, (338.7 / 200.3,), "2026-11-25 tenth session, current engine (c212560)"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
+     200, 30, (1.91,), "2026-11-25 ninth session, 28734b7"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
      200, 30, (1.83,), "2026-11-25 sixth session, 9cf64e2"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR),
@@ -61,8 +65,9 @@ H100_SCENARIOS = [
 SHORT = dict(model="llama-3.1-8b", workload="synthetic:input=370,output=45", **POOR)
 # (label, scenario settings, requests, measured end-to-end neo/gpu-only ratio, where measured)
 H100_WHOLE_RUNS = [
-    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2344.7 / 2315.9,
-     "2026-11-25 ninth session, current scheduler (28734b7)"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2443.3 / 2579.6,
+     "2026-11-25 tenth session, current engine (c212560)"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2344.7 / 2315.9, "2026-11-25 ninth session, 28734b7"),
 ]
 
 
@@ -139,9 +144,10 @@ def iteration_times() -> None:
     model = resolve_model_config("llama-3.1-8b")
     table = synthesize_table(model, hardware, max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192,
                              pool_tokens=1 << 20)
-    for batch, measured in ((64, 11.88), (256, 26.50)):
+    for batch, measured in ((64, 9.99), (256, 21.16)):
         seconds = PerfModel(table).graph_decode(batch, batch * 1024)
-        print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline) | "
+        print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline, async "
+              f"scheduling) | "
               f"{measured:.2f} ms | {1e3 * seconds:.2f} ms | - |")
     current = "2026-11-25 ninth session, current scheduler (28734b7)"
     runs = [("500/500", 200, 30, "prefill step 0.123 s", current),

@@ -233,17 +233,21 @@ def test_no_host_attention_makes_neo_plan_as_gpu_only(override):
 # -- errors and the command line --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model, waited_layers", [("qwen2.5-32b", 64 - 56), ("llama-3.1-8b", 0)])
-def test_launching_a_host_batch_holds_the_engine_until_the_driver_queues_its_host_functions(model, waited_layers):
-    """Async neo: each host batch's launch moves the clock on by its host attention's share of
-    the layers beyond ``queued_host_functions`` (none for a model of fewer layers), before the
-    GPU iteration planned with it starts."""
-    config = Scenario(model=model, hardware=preset("h100"), workload="synthetic:input=1,output=1",
-                      num_requests=1, policies=("neo",), gpu_kv_cache_gib=1.0,
+@pytest.mark.parametrize("model, queued, waited_layers", [
+    ("qwen2.5-32b", 56, 0), ("qwen2.5-32b", 20, 32 - 20), ("llama-3.1-8b", 20, 32 - 20), ("llama-3.1-8b", 40, 0),
+    ("neo-tiny", 2, 4 - 2)])
+def test_launching_a_host_batch_holds_the_engine_until_the_driver_queues_its_host_functions(model, queued,
+                                                                                           waited_layers):
+    """Async neo: the engine queues two parts of 16 layers of a host batch at a launch (all the
+    layers of a smaller model); each launch moves the clock on by its host attention's share of
+    those beyond ``queued_host_functions``, before the GPU iteration planned with it starts."""
+    hardware = with_overrides(preset("h100"), {"queued_host_functions": queued})
+    config = Scenario(model=model, hardware=hardware, workload="synthetic:input=1,output=1",
+                      num_requests=1, policies=("neo",), gpu_kv_cache_gib=1.0 if model != "neo-tiny" else 0.001,
                       cpu_kv_cache_gib=32.0).engine_config("neo")
-    table = synthesize_table(resolve_model_config(model), preset("h100"), max_num_batched_tokens=8192,
+    table = synthesize_table(resolve_model_config(model), hardware, max_num_batched_tokens=8192,
                              max_num_seqs=256, max_model_len=4096, pool_tokens=1 << 20)
-    simulation = Simulation(config, resolve_model_config(model), preset("h100"), table, 4096)
+    simulation = Simulation(config, resolve_model_config(model), hardware, table, 4096)
     launched = []
     original = simulation.launch
 

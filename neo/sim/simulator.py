@@ -14,10 +14,11 @@ collected, as in the engine, after the first step whose GPU work ends past that 
 GPU work waits for it, or for the next arrival). Its ``pre``/``post`` stages share the GPU with
 the iterations that run beside it: an iteration alone ``d`` seconds long progresses at
 ``1 / (1 + linear(n) / T)`` of its speed while a batch of ``n`` decodes lasting ``T`` is in
-flight. Launching the batch holds the engine's thread, and so the GPU's next iteration, until
-the CUDA driver has room for the batch's host functions (one per layer): for a model of more
-layers than the driver queues (``Hardware.queued_host_functions``), until the first layers'
-host attention has run.
+flight. The engine queues a batch's layers in parts (``neo.runner.host_batches``), at most
+``PARTS_PENDING`` parts of ``DEFAULT_LAYERS_PER_PART`` layers pending, one host function per
+layer; where the CUDA driver queues fewer host functions than that
+(``Hardware.queued_host_functions``), launching the batch holds the engine's thread, and so the
+GPU's next iteration, until the first layers' host attention has run.
 
 Requests arrive at their workload offsets (all at once without them); outputs are forced to
 their lengths, as ``neo bench`` forces them.
@@ -35,6 +36,7 @@ from neo.bench.workload_request import WorkloadRequest
 from neo.config import EngineConfig
 from neo.models.config import ModelConfig
 from neo.request import Request
+from neo.runner.host_batches import DEFAULT_LAYERS_PER_PART, PARTS_PENDING
 from neo.sampling_params import SamplingParams
 from neo.sched.perf_model import PerfTable
 from neo.sched.runner_output import HostBatchOutput, IterationOutput
@@ -190,9 +192,10 @@ class Simulation:
 
     def launch_seconds(self, host: float) -> float:
         """How long launching a host batch of ``host`` seconds of host attention holds the
-        engine's thread: until no more than ``queued_host_functions`` of its per-layer host
-        functions are left to run."""
-        waited_layers = max(0, self.num_layers - self.hardware.queued_host_functions)
+        engine's thread: until no more than ``queued_host_functions`` of the per-layer host
+        functions it queues at once are left to run."""
+        queued_at_launch = min(self.num_layers, PARTS_PENDING * DEFAULT_LAYERS_PER_PART)
+        waited_layers = max(0, queued_at_launch - self.hardware.queued_host_functions)
         return host * waited_layers / self.num_layers
 
     def execute(self, plan: SchedulerOutput) -> IterationOutput | None:
