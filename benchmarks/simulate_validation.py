@@ -10,7 +10,8 @@
    scenario is simulated with the same request count and time limit and its steady window is
    compared; the simulated ratio over the whole run to completion is shown beside it. Runs
    measured to completion are compared end to end. Each measured figure names the engine it
-   came from: where the scheduler has changed since, the row compares two schedulers.
+   came from: where the scheduler has changed since, the row compares two schedulers. Runs
+   cut at their time limit are also compared over all that ran.
 3. Iteration and host batch times: simulated against those measured.
 4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
 
@@ -54,9 +55,17 @@ H100_SCENARIOS = [
      200, 90, (1.69,), "journal 2026-11-25 first session (54a3b7d)"),
 ] + [
     (f"8B poor 1000/{output}", dict(model="llama-3.1-8b", workload=f"synthetic:input=1000,output={output}", **POOR),
+     200, 20, (neo / gpu_only,), "2026-11-25 tenth session, current engine (c212560)")
+    for output, gpu_only, neo in ((50, 1033.4, 1192.3), (100, 1303.1, 1469.0), (200, 1429.5, 1619.9),
+                                  (300, 1450.1, 1629.6), (400, 1413.2, 1640.3))
+] + [
+    (f"8B poor 1000/{output}", dict(model="llama-3.1-8b", workload=f"synthetic:input=1000,output={output}", **POOR),
      200, 20, (ratio,), "2026-11-25 fourth session, 384a805")
     for output, ratio in ((50, 1.19), (100, 1.30), (200, 1.22), (300, 1.19), (400, 1.24))
 ] + [
+    ("8B full memory, Azure code", dict(model="llama-3.1-8b", workload="azure-code", cpu_kv_cache_gib=64.0,
+                                        max_num_seqs=512, max_model_len=8192),
+     256, 30, (395.9 / 396.8,), "2026-11-25 tenth session, current engine (c212560)"),
     ("8B full memory, Azure code", dict(model="llama-3.1-8b", workload="azure-code", cpu_kv_cache_gib=64.0,
                                         max_num_seqs=512, max_model_len=8192),
      256, 30, (1.00, 1.01), "2026-11-25 fourth session, 384a805, two starts"),
@@ -67,7 +76,21 @@ SHORT = dict(model="llama-3.1-8b", workload="synthetic:input=370,output=45", **P
 H100_WHOLE_RUNS = [
     ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2443.3 / 2579.6,
      "2026-11-25 tenth session, current engine (c212560)"),
+    ("8B poor 1000/50", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=50", **POOR), 200,
+     982.3 / 993.6, "2026-11-25 tenth session, current engine (c212560)"),
+    ("8B poor 1000/100", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=100", **POOR), 200,
+     1265.2 / 1263.8, "2026-11-25 tenth session, current engine (c212560)"),
     ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2344.7 / 2315.9, "2026-11-25 ninth session, 28734b7"),
+]
+
+
+# Runs cut at a time limit, output tokens/s over all that ran (not only the steady window):
+# (label, scenario settings, requests, seconds, measured neo/gpu-only ratio, where measured)
+H100_CUT_RUNS = [
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 200, 30,
+     576.4 / 340.5, "2026-11-25 tenth session, current engine (c212560)"),
+    ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR), 200, 30,
+     271.6 / 201.1, "2026-11-25 tenth session, current engine (c212560)"),
 ]
 
 
@@ -128,6 +151,15 @@ def h100_scenarios() -> None:
         print(f"| {label} | {requests}, {seconds} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | "
               f"{cells[0]} | {cells[1]} | {cut[0].steady_output_tokens_per_s:.0f} / "
               f"{cut[1].steady_output_tokens_per_s:.0f} |")
+    print("Runs cut at the time limit, output tokens/s over all that ran:\n")
+    print("| scenario | requests, s | measured | numbers alone (error) | profile (error) |\n| --- | --- | --- | --- | --- |")
+    for label, settings, requests, seconds, measured, source in H100_CUT_RUNS:
+        cells = []
+        for profile in (None, PROFILE):
+            ratio = ratios(simulate(settings, hardware, requests, seconds, profile))[1]
+            cells.append(f"{ratio:.2f}x ({ratio / measured - 1:+.0%})")
+        print(f"| {label} | {requests}, {seconds} | {measured:.2f}x ({source}) | {cells[0]} | {cells[1]} |")
+    print()
     print("Whole runs to completion (end-to-end output tokens/s):\n")
     print("| scenario | requests | measured | numbers alone (error) |\n| --- | --- | --- | --- |")
     for label, settings, requests, measured, source in H100_WHOLE_RUNS:
@@ -149,9 +181,12 @@ def iteration_times() -> None:
         print(f"| 8B gpu-only decode iteration, {batch} x 1024 tokens (RESULTS.md, engine_roofline, async "
               f"scheduling) | "
               f"{measured:.2f} ms | {1e3 * seconds:.2f} ms | - |")
-    current = "2026-11-25 ninth session, current scheduler (28734b7)"
-    runs = [("500/500", 200, 30, "prefill step 0.123 s", current),
-            ("500/500", 200, 30, "host batch 103 requests, 0.27 s", current),
+    current = "2026-11-25 tenth session, current engine (c212560)"
+    ninth = "2026-11-25 ninth session, 28734b7"
+    runs = [("500/500", 200, 30, "prefill step 0.145 s", current),
+            ("500/500", 200, 30, "host batch 120 requests, 0.27 s", current),
+            ("500/500", 200, 30, "prefill step 0.123 s", ninth),
+            ("500/500", 200, 30, "host batch 103 requests, 0.27 s", ninth),
             ("500/500", 256, 50, "prefill step 0.876 s", "2026-11-25 fourth session, 384a805"),
             ("1000/300", 256, 50, "prefill step 0.865-0.906 s", "2026-11-25 fourth session, 384a805"),
             ("500/500", 300, 60, "host batch 281 requests, 0.53 s", "journal 2026-11-25 first, 54a3b7d"),
