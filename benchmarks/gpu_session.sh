@@ -17,7 +17,9 @@
 #                offline throughput
 #   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes;
 #                HANDOFF_MODELS, HANDOFF_ARGS)
-#   offload-32b / offload-8b-poor / offload-8b-full / offload-threads   policies side by side
+#   offload-32b / offload-8b-poor / offload-8b-full / offload-threads / offload-70b-tp2
+#                policies side by side (offload-70b-tp2: two GPUs, tensor parallelism)
+#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two (synchronous scheduling in both)
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
 #   online       latency vs load through the HTTP server
 #   frontier     tokens/s against the time between a request's tokens, host decodes beside a full
@@ -40,6 +42,9 @@ out=${OUT:-results/raw}
 mkdir -p "$out/files"
 exec > >(tee -a "$out/session.log") 2>&1
 export PYTHONUNBUFFERED=1
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM: on a shared multi-GPU host it can take the
+# GPUs out of service. The engine's ranks inherit these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NEO_CACHE_DIR=${NEO_CACHE_DIR:-$PWD/.carry/cache}
 seconds=${SECONDS_PER_RUN:-60}
 requests=${NUM_REQUESTS:-256}
@@ -156,6 +161,16 @@ stage_offload_32b() { offload 32b-poor ${OFFLOAD_ARGS:-}; }
 stage_offload_8b_poor() { offload 8b-poor ${OFFLOAD_ARGS:-}; }
 stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
+stage_offload_70b_tp2() { offload 70b-tp2 ${OFFLOAD_ARGS:-}; }
+
+stage_tp_scaling() {
+  local size
+  for size in 1 2; do
+    run "tp-scaling-$size" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 \
+      --workload synthetic:input=1000,output=300 --num-requests "$requests" --duration "$seconds" \
+      --tensor-parallel-size "$size" --no-async-scheduling --json > "$out/files/tp-scaling-$size.json"
+  done
+}
 
 stage_async_watchdog() {
   python3 benchmarks/offload.py --scenario 32b-poor --duration "$seconds" --num-requests "$requests" \
