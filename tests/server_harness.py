@@ -29,11 +29,13 @@ from neo.server.settings import ServerSettings
 HTTP_TIMEOUT = httpx.Timeout(60.0)
 TEST_TIMEOUT_SECONDS = 120
 BLOCK_BYTES = 2 * 4 * 2 * 16 * 32 * 4  # neo-tiny float32: K+V, 4 layers, 2 KV heads, 16 x 32
+# Async scheduling, the default on a CUDA device, is asked for here on the CPU, where it is off
+# unless set: the servers run the engine loop users on GPUs run (the neo one with host batches).
 TINY_OPTIONS = dict(device="cpu", gpu_kv_cache_gib=1024 * BLOCK_BYTES / 2**30,
-                    cpu_kv_cache_gib=256 * BLOCK_BYTES / 2**30)
+                    cpu_kv_cache_gib=256 * BLOCK_BYTES / 2**30, async_scheduling=True)
 TOKENLESS_OPTIONS = dict(device="cpu", policy="neo", perf_model="zero",
                          gpu_kv_cache_gib=4 * BLOCK_BYTES / 2**30,
-                         cpu_kv_cache_gib=64 * BLOCK_BYTES / 2**30)
+                         cpu_kv_cache_gib=64 * BLOCK_BYTES / 2**30, async_scheduling=True)
 
 
 def run(coroutine):

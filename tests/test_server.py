@@ -510,14 +510,14 @@ def test_failed_iteration_becomes_a_server_error(tiny_server, good_request):
     """An iteration that raises ends its requests with an error (500, or an error event once
     a stream has started); the server goes on serving."""
     engine = tiny_server.async_engine.engine
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     marker = [300, 301, 302]
 
-    def failing_execute(plan, on_launched=None):  # fails the marked request's third token
+    def failing_launch(plan, *args, **kwargs):  # fails the marked request's third token
         if any(request.prompt_token_ids == marker and request.num_output_tokens == 2
                for request in plan.requests):
             raise RuntimeError("injected kernel failure")
-        return execute(plan, on_launched)
+        return launch(plan, *args, **kwargs)
 
     async def main():
         async with client_for(tiny_server) as client:
@@ -529,11 +529,11 @@ def test_failed_iteration_becomes_a_server_error(tiny_server, good_request):
                 return_token_ids=True))
             return plain, streamed, good
 
-    engine.runner.execute = failing_execute
+    engine.runner.launch = failing_launch
     try:
         plain, streamed, good = run(main())
     finally:
-        engine.runner.execute = execute
+        engine.runner.launch = launch
     assert plain.status_code == 500
     assert plain.json()["error"]["type"] == "server_error"
     assert "injected kernel failure" in plain.json()["error"]["message"]

@@ -370,9 +370,13 @@ class LLMEngine:
             return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, decoded, failed)
         if self._host_batches:
             self._launch_host_batch(plan, failed)
-        launched = self._launch(plan, on_launched, failed)
+        launched, launch_error = self._launch(plan, on_launched)
         if self._in_flight is not None:
             decoded += self._settle(failed)
+        if launch_error is not None:  # after the read, so its requests keep the tokens computed before
+            failed += self._fail(plan.affected_requests, launch_error, "its iteration failed")
+            if not isinstance(launch_error, Exception):
+                raise launch_error
         if self._host_batches:
             host_batch = self._collect_host_batch(plan, 0.0, failed)
             if host_batch is not None:
@@ -395,17 +399,16 @@ class LLMEngine:
                 and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
                         for request in plan.requests))
 
-    def _launch(self, plan: SchedulerOutput, on_launched, failed: list[Request]) -> LaunchedIteration | None:
-        """Queue the plan's work, its unresolved tokens taken from the iteration in flight (None
-        when it failed: its requests are then ended and added to ``failed``)."""
+    def _launch(self, plan: SchedulerOutput,
+                on_launched) -> tuple[LaunchedIteration | None, BaseException | None]:
+        """Queue the plan's work, its unresolved tokens taken from the iteration in flight; returns
+        it, or what its launch raised (the caller ends its requests once the iteration in flight
+        is read)."""
         previous = None if self._in_flight is None else self._in_flight.launched.previous_tokens()
         try:
-            return self.runner.launch(plan, on_launched, previous, read_later=True)
+            return self.runner.launch(plan, on_launched, previous, read_later=True), None
         except BaseException as error:
-            failed += self._fail(plan.affected_requests, error, "its iteration failed")
-            if not isinstance(error, Exception):
-                raise
-            return None
+            return None, error
 
     def _settle(self, failed: list[Request]) -> list[Request]:
         """Read the tokens of the iteration in flight and update the scheduler with them;

@@ -48,6 +48,12 @@ from .latency import HistogramSnapshot, RequestLatencies
 logger = logging.getLogger(__name__)
 
 
+def still_running(output: RequestOutput) -> RequestOutput:
+    """``output`` as an unfinished one: its tokens, no finish reason, no error."""
+    completions = [dataclasses.replace(completion, finish_reason=None) for completion in output.outputs]
+    return dataclasses.replace(output, outputs=completions, finished=False, error=None)
+
+
 class RequestFailed(RuntimeError):
     """The engine ended this request because something went wrong while running it."""
 
@@ -344,6 +350,10 @@ class AsyncEngine:
                 continue
             if output.error is not None:  # the engine ended it: its work failed
                 self._drop_latencies(tracked)
+                if any(completion.token_ids for completion in output.outputs):
+                    # Tokens computed before the failure go out first (under async scheduling the
+                    # step that ends the request is the one that reads its previous token).
+                    deliveries.append((tracked.queue, still_running(output)))
                 deliveries.append((tracked.queue, RequestFailed(f"the engine failed running this request: "
                                                                 f"{output.error}")))
             else:

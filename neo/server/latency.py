@@ -9,6 +9,7 @@ import bisect
 from dataclasses import dataclass
 
 from neo.request import Request, RequestStatus
+from neo.sched.runner_output import UNRESOLVED_TOKEN
 
 # Upper bounds (seconds) of the buckets; the +Inf bucket is implied. They span a fast GPU's
 # milliseconds to a saturated CPU server's minutes.
@@ -21,6 +22,13 @@ E2E_REQUEST_LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                       40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+
+
+def resolved_output_tokens(request: Request) -> int:
+    """The request's output tokens the host has read: under async scheduling its newest one
+    may still be on its way (``UNRESOLVED_TOKEN``) when its output goes out."""
+    tokens = request.output_token_ids
+    return len(tokens) - (1 if tokens and tokens[-1] == UNRESOLVED_TOKEN else 0)
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,8 @@ class RequestLatencies:
         progress = self._progress.get(request.request_id)
         if progress is None:
             return
-        new_tokens = request.num_output_tokens - progress.num_tokens
+        num_tokens = resolved_output_tokens(request)
+        new_tokens = num_tokens - progress.num_tokens
         if new_tokens > 0:
             if progress.num_tokens == 0:
                 first_token_time = request.first_token_time or now
@@ -115,7 +124,7 @@ class RequestLatencies:
                 interval = max(0.0, now - progress.last_token_time)
                 self.inter_token_latency.observe(interval / new_tokens, times=new_tokens)
                 progress.last_token_time = now
-            progress.num_tokens = request.num_output_tokens
+            progress.num_tokens = num_tokens
         if finished:
             finish_time = request.finish_time or now
             self.e2e_request_latency.observe(max(0.0, finish_time - request.arrival_time))
