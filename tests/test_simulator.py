@@ -1,6 +1,7 @@
 """The what-if simulator (``neo.sim``): the real scheduler against simulated time, stage
 tables synthesized from hardware numbers, and ``neo simulate`` end to end. CPU only."""
 
+import dataclasses
 import json
 import random
 from importlib import resources
@@ -333,3 +334,30 @@ def test_plots_are_written(tmp_path, capsys):
 def test_gain_grows_with_host_bandwidth():
     [[slow, fast]] = gain_grid(small_scenario(), [5.0, 200.0], [0.25])
     assert fast > slow
+
+
+def test_steps_not_planned_ahead_make_the_gpu_wait_for_the_host():
+    """A gpu-only run with room for every request: with async scheduling off every step makes
+    the GPU wait ``sync_step_us`` plus ``sync_step_request_us`` per request; with it on only the
+    first step does (each later one is planned while the previous iteration runs)."""
+    model = resolve_model_config("llama-3.1-8b")
+    quiet, busy = preset("h100"), with_overrides(preset("h100"), {"sync_step_us": 10_000.0,
+                                                                  "sync_step_request_us": 100.0})
+    quiet = with_overrides(quiet, {"sync_step_us": 0.0, "sync_step_request_us": 0.0})
+    table = synthesize_table(model, quiet, max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096,
+                             pool_tokens=1 << 20)
+    workload = parse_workload("synthetic:input=200,output=20", 8)
+    config = Scenario(model="llama-3.1-8b", hardware=quiet, workload="synthetic:input=1,output=1", num_requests=1,
+                      policies=("gpu-only",), gpu_kv_cache_gib=8.0).engine_config("gpu-only")
+
+    def run(hardware, async_scheduling):
+        steps = []
+        simulation = Simulation(dataclasses.replace(config, async_scheduling=async_scheduling), model, hardware,
+                                table, 4096, on_iteration=lambda plan, seconds: steps.append(len(plan.requests)))
+        return simulation.run(workload).elapsed_s, steps
+
+    base, steps = run(quiet, False)
+    synchronous, _ = run(busy, False)
+    ahead, _ = run(busy, True)
+    assert synchronous == pytest.approx(base + len(steps) * 0.010 + sum(steps) * 100e-6, rel=1e-9)
+    assert ahead == pytest.approx(base + 0.010 + steps[0] * 100e-6, rel=1e-9)

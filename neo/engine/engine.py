@@ -10,7 +10,7 @@ import torch
 
 from neo.config import EngineConfig
 from neo.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from neo.request import KVLocation, Request, RequestStatus
+from neo.request import Request, RequestStatus
 from neo.sampling_params import SamplingParams
 from neo.sched.placement.host_batches import InFlightHostBatch
 from neo.runner.model_runner import LaunchedIteration
@@ -355,15 +355,15 @@ class LLMEngine:
         planning needs them: when a request might be evicted for room
         (``Scheduler.can_plan_ahead``). A plan that uses the tokens on the host when it launches
         (penalties, log-probabilities), decodes on the host in the iteration itself or
-        prefills a prompt into the host pool, or has no sub-batch (``_plans_ahead``) runs after
-        k's tokens are read, as ``_step`` runs it.
+        prefills a prompt into the host pool, or has no sub-batch (``SchedulerOutput.runs_ahead``)
+        runs after k's tokens are read, as ``_step`` runs it.
         """
         failed: list[Request] = []
         decoded: list[Request] = []
         if self._in_flight is not None and not self.scheduler.can_plan_ahead():
             decoded += self._settle(failed)
         plan, start, schedule_seconds, segments_freed = self._schedule()
-        if not self._plans_ahead(plan):
+        if not plan.runs_ahead():
             if self._in_flight is not None:
                 decoded += self._settle(failed)
                 plan.drop_finished()
@@ -387,17 +387,6 @@ class LLMEngine:
             self._in_flight = _IterationInFlight(plan, launched, start, schedule_seconds, segments_freed)
         self.metrics.busy_seconds += time.perf_counter() - start
         return outputs
-
-    @staticmethod
-    def _plans_ahead(plan: SchedulerOutput) -> bool:
-        """Whether the next plan may be made before this one's tokens are read: it has device
-        work, all of it on requests whose KV is in the GPU pool (a host batch beside it is
-        launched and collected on its own), and no request that needs its tokens on the host
-        when the next one launches (penalties count them; log-probabilities are recorded with
-        them)."""
-        return (any(plan.sub_batches) and all(request.location is KVLocation.GPU for request in plan.requests)
-                and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
-                        for request in plan.requests))
 
     def _launch(self, plan: SchedulerOutput,
                 on_launched) -> tuple[LaunchedIteration | None, BaseException | None]:

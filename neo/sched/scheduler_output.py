@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from neo.request import Request
+from neo.request import KVLocation, Request
 
 from .stage_order import StageOrder
 
@@ -76,6 +76,17 @@ class SchedulerOutput:
         """Every request whose state executing the plan changes: ``requests`` and ``moved``."""
         seen = set()
         return [r for r in self.requests + self.moved if id(r) not in seen and not seen.add(id(r))]
+
+    def runs_ahead(self) -> bool:
+        """Whether, under async scheduling, the plan may be launched before the previous
+        iteration's tokens are read: it has device work, all of it on requests whose KV is in
+        the GPU pool (a host batch beside it is launched and collected on its own), and no
+        request that needs its tokens on the host when the next plan launches (penalties count
+        them; log-probabilities are recorded with them)."""
+        return (any(self.sub_batches)
+                and all(request.location is KVLocation.GPU for request in self.requests)
+                and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
+                        for request in self.requests))
 
     def drop_finished(self) -> None:
         """Take out the decodes of requests that ended after the plan was made (async

@@ -48,6 +48,11 @@ class Hardware:
     pipeline_overhead_us: float = 285.0  # a two-sub-batch iteration's launches and hand-offs, per layer
     host_batch_overhead_us: float = 80.0  # a host batch's launches and hand-offs, per layer
     iteration_overhead_us: float = 0.0  # input preparation and sampling, per iteration
+    # Host work of an engine step that the GPU waits for when the step runs in the synchronous
+    # order (not planned ahead under async scheduling: ``SchedulerOutput.runs_ahead``): reading
+    # the previous tokens, scheduling, building inputs, launching. Per step, and per request.
+    sync_step_us: float = 0.0
+    sync_step_request_us: float = 0.0
     # GPU iterations beside a host batch run at least this many times slower (its host threads
     # share the host with the launching thread; measured on the H100 with 32B shapes).
     host_batch_slowdown: float = 1.10
@@ -100,7 +105,10 @@ PRESETS: dict[str, Hardware] = {
     # as neo's measured gain does (1.33x / 1.89x / 1.93x at 4 / 8 / 15 threads).
     "h100": Hardware(name="h100", gpu_memory_gib=79.2, hbm_gbps=3030.0, bf16_tflops=791.0, fp16_tflops=791.0,
                      pcie_h2d_gbps=55.0, pcie_d2h_gbps=55.0, host_cores=16, host_read_gbps=104.0,
-                     host_read_gbps_per_thread=13.0, host_memory_gib=256.0),
+                     host_read_gbps_per_thread=13.0, host_memory_gib=256.0,
+                     # The 8B gpu-only decode iteration with async scheduling off, less with it on
+                     # (engine_roofline on the H100): 1.70 ms at 64 requests, 2.66 ms at 256.
+                     sync_step_us=1380.0, sync_step_request_us=5.1),
     # A100 80GB SXM4 server: 2039 GB/s, 312 TFLOP/s dense bf16/fp16 (NVIDIA A100 datasheet),
     # PCIe Gen4 x16 (32 GB/s per direction, 25 achieved); host: 32 cores of a two-socket EPYC
     # 7003 server (a typical 8-GPU server gives each GPU 16-32 cores), 8 channels DDR4-3200
@@ -147,6 +155,8 @@ FIELD_HELP = {
     "pipeline_overhead_us": "a two-sub-batch iteration's launches and hand-offs, per layer, microseconds",
     "host_batch_overhead_us": "a host batch's launches and hand-offs, per layer, microseconds",
     "iteration_overhead_us": "input preparation and sampling, per iteration, microseconds",
+    "sync_step_us": "host work a step not planned ahead makes the GPU wait for, microseconds",
+    "sync_step_request_us": "the same, per request of the step, microseconds",
     "host_batch_slowdown": "GPU iterations' slowdown while a host batch runs beside them",
     "queued_host_functions": "host functions the driver queues on a stream before a launch waits",
 }

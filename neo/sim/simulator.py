@@ -8,6 +8,12 @@ and hands the scheduler the outputs the engine would: one token per planned requ
 iteration's seconds and host-attention seconds. Prompts' K/V copied out to the host pool during
 a prefill overlap the prefill's layers and are not counted.
 
+Async scheduling (on unless the engine config turns it off, as on one GPU): a step planned
+while the previous iteration runs costs the GPU nothing; a step that runs in the synchronous
+order (``SchedulerOutput.runs_ahead`` false, or the GPU pool short of room for the next tokens:
+``Scheduler.can_plan_ahead``), and the step after it, make the GPU wait for the host's work
+(``Hardware.sync_step_us`` and ``sync_step_request_us``).
+
 Under the async host pipeline a plan's host batch is launched when it is planned and runs on
 the host's own timeline: it completes after its cost (``PerfModel.host_batch_time``), and is
 collected, as in the engine, after the first step whose GPU work ends past that (a step with no
@@ -156,6 +162,9 @@ class Simulation:
         self.in_flight: HostBatchInFlight | None = None
         self.iteration_seconds: list[float] = []
         self.host_batches: list[HostBatchInFlight] = []
+        # Async scheduling as the engine resolves it on a GPU with one rank.
+        self.schedules_ahead = (config.async_scheduling if config.async_scheduling is not None
+                                else config.tensor_parallel_size == 1)
 
     # -- times ---------------------------------------------------------------------------------
 
@@ -197,6 +206,14 @@ class Simulation:
         queued_at_launch = min(self.num_layers, PARTS_PENDING * DEFAULT_LAYERS_PER_PART)
         waited_layers = max(0, queued_at_launch - self.hardware.queued_host_functions)
         return host * waited_layers / self.num_layers
+
+    def sync_step_seconds(self, plan: SchedulerOutput, hidden: bool) -> float:
+        """Host work of the plan's step that the GPU waits for: none when the step was planned
+        while the previous iteration ran (``hidden``), else the hardware's per-step and
+        per-request figures."""
+        if hidden or not any(plan.sub_batches):
+            return 0.0
+        return (self.hardware.sync_step_us + self.hardware.sync_step_request_us * len(plan.requests)) * 1e-6
 
     def execute(self, plan: SchedulerOutput) -> IterationOutput | None:
         if plan.is_empty:
@@ -251,6 +268,7 @@ class Simulation:
         counts = dict(two=0, host_tokens=0, gpu_tokens=0, output=0)
         log: list[tuple[float, int]] = []
         cut_short = False
+        in_flight = False  # the previous step was launched ahead: the GPU runs it while this one is planned
         progress = tqdm(total=sum(r.sampling_params.max_tokens for r in requests), unit="tok",
                         desc=f"simulate {self.config.policy}", disable=not show_progress)
         while next_index < len(arrivals) or scheduler.has_unfinished:
@@ -264,7 +282,11 @@ class Simulation:
             if not scheduler.has_unfinished:
                 self.clock = next_arrival
                 continue
+            ahead_possible = in_flight and scheduler.can_plan_ahead()
             plan = scheduler.schedule()
+            runs_ahead = self.schedules_ahead and plan.runs_ahead()
+            self.clock += self.sync_step_seconds(plan, hidden=ahead_possible and runs_ahead)
+            in_flight = runs_ahead
             if plan.host_batch is not None:
                 self.launch(plan)
                 counts["host_tokens"] += len(plan.host_batch.host_decodes)
