@@ -45,12 +45,12 @@ class _IterationInFlight:
 class LLMEngine:
     """The serving engine. Not thread-safe: one thread owns it (see ``neo.server``).
 
-    Its parts are built by ``neo.engine.build`` for the policy and the host pipeline, the step
-    function among them: ``_step`` (schedule -> execute -> update) or, under the async and auto
-    host pipelines, ``_step_with_host_batches`` (which also launches and collects host batches;
-    under auto a plan is either a lockstep iteration of two sub-batches or a GPU iteration,
-    possibly launching a host batch, as the scheduler chose), or, with async scheduling,
-    ``_step_ahead`` (schedule -> launch -> update with the previous iteration's tokens).
+    Its parts are built by ``neo.engine.build`` for the policy and the host pipeline. A step is
+    ``_step`` (schedule -> execute -> update) or, with async scheduling, ``_step_ahead``
+    (schedule -> launch -> update with the previous iteration's tokens). Under the async and
+    auto host pipelines both also launch and collect host batches (under auto a plan is either
+    a lockstep iteration of two sub-batches or a GPU iteration, possibly launching a host batch,
+    as the scheduler chose).
 
     With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it starts the other ranks
     (``RankWorkers``), and its runner hands them each plan; a failed rank fails the iteration it
@@ -92,9 +92,7 @@ class LLMEngine:
         self.profiler = parts.profiler
         self.scheduler = parts.scheduler
         self.stop_rule = parts.scheduler.finish_reason  # a ``neo.engine.stop.StopRule``
-        # How a plan runs once made, and whether the next one may be made before its tokens are read.
-        self._host_batches = parts.asynchronous
-        self._run_plan = self._run_with_host_batches if parts.asynchronous else self._run_now
+        self._host_batches = parts.asynchronous  # host batches run beside the GPU's iterations
         self.async_scheduling = config.schedules_ahead
         self._step_function = self._step_ahead if self.async_scheduling else self._step
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
@@ -273,27 +271,17 @@ class LLMEngine:
 
     def _step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
         plan, start, schedule_seconds, segments_freed = self._schedule()
-        return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, [], [])
+        return self._run(plan, on_launched, start, schedule_seconds, segments_freed, [], [])
 
-    def _run_now(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
-                 segments_freed: int | None, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
-        """Execute the plan and read its tokens (the lockstep host pipeline, gpu-only). ``decoded``
-        and ``failed``: what the step already settled, returned first."""
-        output = self._execute(plan, on_launched, start, schedule_seconds, 0.0, segments_freed, failed)
-        decoded += self.scheduler.update(plan, output)
-        if output is not None:
-            self.metrics.busy_seconds += time.perf_counter() - start
-        return self._outputs(plan, decoded, failed)
-
-    def _run_with_host_batches(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
-                               segments_freed: int | None, decoded: list[Request],
-                               failed: list[Request]) -> list[RequestOutput]:
-        """The async and auto host pipelines: queue the next layer parts of the host batch in
-        flight that are due, launch the plan's host batch, if any, execute the plan, then collect
-        the host batch in flight if it has completed (waiting for it a little when the plan had no
-        GPU work)."""
+    def _run(self, plan: SchedulerOutput, on_launched, start: float, schedule_seconds: float,
+             segments_freed: int | None, decoded: list[Request], failed: list[Request]) -> list[RequestOutput]:
+        """Execute the plan and read its tokens. Under the async and auto host pipelines, first
+        queue the next layer parts of the host batch in flight that are due and launch the plan's
+        host batch, if any; after the plan, collect the host batch in flight if it has completed
+        (waiting for it a little when the plan had no GPU work). ``decoded`` and ``failed``:
+        what the step already settled, returned first."""
         self._launch_host_batch(plan, failed)
-        launch_seconds = time.perf_counter() - start
+        launch_seconds = time.perf_counter() - start if self._host_batches else 0.0
         output = self._execute(plan, on_launched, start, schedule_seconds, launch_seconds, segments_freed, failed)
         host_batch = self._collect_host_batch(plan, HOST_BATCH_WAIT_SECONDS if output is None else 0.0, failed)
         decoded += self.scheduler.update(plan, output, host_batch)
@@ -349,7 +337,7 @@ class LLMEngine:
 
         Under the async and auto host pipelines a host batch is independent of the GPU's
         iterations: the plan's host batch, if any, is launched before k+1 and the one in flight
-        collected after k's tokens are read, as ``_run_with_host_batches`` does.
+        collected after k's tokens are read, as ``_run`` does.
 
         It falls back to ``_step``'s order (the tokens of k read before k+1 is planned) where
         planning needs them: when a request might be evicted for room
@@ -367,9 +355,8 @@ class LLMEngine:
             if self._in_flight is not None:
                 decoded += self._settle(failed)
                 plan.drop_finished()
-            return self._run_plan(plan, on_launched, start, schedule_seconds, segments_freed, decoded, failed)
-        if self._host_batches:
-            self._launch_host_batch(plan, failed)
+            return self._run(plan, on_launched, start, schedule_seconds, segments_freed, decoded, failed)
+        self._launch_host_batch(plan, failed)
         launched, launch_error = self._launch(plan, on_launched)
         if self._in_flight is not None:
             decoded += self._settle(failed)
@@ -377,10 +364,9 @@ class LLMEngine:
             failed += self._fail(plan.affected_requests, launch_error, "its iteration failed")
             if not isinstance(launch_error, Exception):
                 raise launch_error
-        if self._host_batches:
-            host_batch = self._collect_host_batch(plan, 0.0, failed)
-            if host_batch is not None:
-                decoded += self.scheduler.update(plan, None, host_batch)
+        host_batch = self._collect_host_batch(plan, 0.0, failed)
+        if host_batch is not None:
+            decoded += self.scheduler.update(plan, None, host_batch)
         outputs = self._outputs(plan, decoded, failed)  # snapshots before the plan's tokens are counted
         if launched is not None:
             self.scheduler.advance(plan)

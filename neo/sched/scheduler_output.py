@@ -83,10 +83,9 @@ class SchedulerOutput:
         the GPU pool (a host batch beside it is launched and collected on its own), and no
         request that needs its tokens on the host when the next plan launches (penalties count
         them; log-probabilities are recorded with them)."""
-        return (any(self.sub_batches)
-                and all(request.location is KVLocation.GPU for request in self.requests)
-                and all(not request.sampling_params.uses_penalties and request.sampling_params.logprobs is None
-                        for request in self.requests))
+        return any(self.sub_batches) and all(
+            request.location is KVLocation.GPU and not request.sampling_params.uses_penalties
+            and request.sampling_params.logprobs is None for request in self.requests)
 
     def drop_finished(self) -> None:
         """Take out the decodes of requests that ended after the plan was made (async
