@@ -42,5 +42,17 @@ def test_the_cpu_counts_weights_and_both_pools_a_gpu_only_the_host_pool():
         check_host_memory("llama-3.1-8b", config, torch.bfloat16, CUDA, 0, GIB, GIB - 1)
 
 
+def test_tensor_parallel_ranks_count_their_pools_once_each_and_the_weights_once():
+    config = resolve_model_config("llama-3.1-8b")
+    check_host_memory("llama-3.1-8b", config, torch.bfloat16, CUDA, 0, GIB, 2 * GIB, ranks=2)
+    with pytest.raises(ValueError, match=r"needs 2\.00 GiB of host memory \(host KV pool \(cpu_kv_cache_gib, 2 "
+                                         r"ranks\) 2\.00 GiB\)"):
+        check_host_memory("llama-3.1-8b", config, torch.bfloat16, CUDA, 0, GIB, 2 * GIB - 1, ranks=2)
+    weights = weight_bytes(config, torch.bfloat16)
+    check_host_memory("llama-3.1-8b", config, torch.bfloat16, CPU, GIB, GIB, weights + 4 * GIB, ranks=2)
+    with pytest.raises(ValueError, match=r"compute KV pool \(gpu_kv_cache_gib, 2 ranks\) 2\.00 GiB"):
+        check_host_memory("llama-3.1-8b", config, torch.bfloat16, CPU, GIB, GIB, weights + 4 * GIB - 1, ranks=2)
+
+
 def test_unknown_available_memory_checks_nothing():
     check_host_memory("llama-3.1-8b", resolve_model_config("llama-3.1-8b"), torch.float32, CPU, GIB, GIB, None)

@@ -10,6 +10,7 @@ surface as an error in the caller with the other ranks stopped; closing the engi
 driver's process ending without closing it, must leave no worker process behind.
 """
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,8 +19,10 @@ import textwrap
 
 import pytest
 
+import neo.engine.build
 from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
 from neo import LLM, SamplingParams
+from neo.kv.kv_cache import GIB
 from neo.sched.scheduler_output import SubBatch
 
 NEW_TOKENS = 24
@@ -206,3 +209,12 @@ def test_sizes_that_do_not_divide_the_model_are_refused_before_any_process_start
         LLM("neo-tiny", **engine_options(4))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         LLM("neo-tiny", device="cpu", tensor_parallel_size=0)
+
+
+def test_host_pools_beyond_the_hosts_memory_over_all_ranks_are_refused_before_any_process_starts(monkeypatch):
+    """Each rank's host pool fits the memory available, two do not: refused, naming both."""
+    monkeypatch.setattr(neo.engine.build, "available_host_bytes", lambda: int(1.5 * GIB))
+    with pytest.raises(ValueError, match=r"host KV pool \(cpu_kv_cache_gib, 2 ranks\) 2\.00 GiB"):
+        LLM("neo-tiny", device="cpu", tensor_parallel_size=2, gpu_kv_cache_gib=0.001, cpu_kv_cache_gib=1.0,
+            dtype="float32")
+    assert not multiprocessing.active_children()

@@ -106,6 +106,20 @@ def host_attention_worker(config: EngineConfig, parallel: TensorParallel) -> Hos
     return HostAttentionWorker(config.cpu_attention_threads or max(1, len(cores) - 1), cores if pin else None)
 
 
+def check_host_allocations(config: EngineConfig) -> None:
+    """Refuse (``ValueError``) an engine whose host allocations, over all its
+    ``tensor_parallel_size`` ranks on this host, exceed the memory available now
+    (``neo.engine.host_memory_check``)."""
+    model_config = resolve_model_config(config.model)
+    device = config.compute_device
+    dtype = resolve_dtype(config.dtype, model_config.dtype, device)
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    compute_pool_bytes = gpu_kv_cache_bytes(config, None, device, max_model_len) if device.type == "cpu" else 0
+    check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
+                      int(config.cpu_kv_cache_gib * GIB), available_host_bytes(), config.tensor_parallel_size)
+
+
 def build(config: EngineConfig, parallel: TensorParallel | None = None,
           plan_channel: PlanChannel | None = None, startup: StartupPhases | None = None) -> EngineParts:
     """The parts of one engine, or of one rank of a tensor-parallel engine: ``parallel`` is the
@@ -126,9 +140,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
-    compute_pool_bytes = gpu_kv_cache_bytes(config, None, device, max_model_len) if device.type == "cpu" else 0
-    check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
-                      int(config.cpu_kv_cache_gib * GIB), available_host_bytes())
+    if parallel.size == 1:  # several ranks: checked for all of them before they start (RankWorkers)
+        check_host_allocations(config)
     with startup.phase("load model"):
         model = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format,
                            seed=config.seed, max_positions=max_model_len, parallel=parallel)

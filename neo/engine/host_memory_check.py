@@ -39,17 +39,20 @@ def weight_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def check_host_memory(model: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      compute_pool_bytes: int, host_pool_bytes: int, available_bytes: int | None) -> None:
+                      compute_pool_bytes: int, host_pool_bytes: int, available_bytes: int | None,
+                      ranks: int = 1) -> None:
     """Raise ``ValueError`` when the host allocations of an engine exceed ``available_bytes``:
     the host KV pool (``host_pool_bytes``), plus, when ``device`` is the CPU, the weights of
-    ``model_config`` in ``dtype`` and the compute pool (``compute_pool_bytes``). Nothing is
-    checked when ``available_bytes`` is None."""
+    ``model_config`` in ``dtype`` and the compute pool (``compute_pool_bytes``). An engine of
+    ``ranks`` tensor-parallel ranks on this host holds the pools once per rank and the weights
+    once (each rank its share). Nothing is checked when ``available_bytes`` is None."""
     if available_bytes is None:
         return
-    parts = {"host KV pool (cpu_kv_cache_gib)": host_pool_bytes}
+    per_rank = f", {ranks} ranks" if ranks > 1 else ""
+    parts = {f"host KV pool (cpu_kv_cache_gib{per_rank})": ranks * host_pool_bytes}
     if device.type == "cpu":
         parts = {f"weights ({str(dtype).removeprefix('torch.')})": weight_bytes(model_config, dtype),
-                 "compute KV pool (gpu_kv_cache_gib)": compute_pool_bytes, **parts}
+                 f"compute KV pool (gpu_kv_cache_gib{per_rank})": ranks * compute_pool_bytes, **parts}
     needed = sum(parts.values())
     if needed <= available_bytes:
         return

@@ -33,7 +33,7 @@ from neo.models.loader import resolve_model_config
 from neo.models.parallel import TensorParallel, check_divisible
 from neo.runner.rank_plan import PlanChannel
 
-from .build import build
+from .build import build, check_host_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class RankWorkers:
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
         check_divisible(resolve_model_config(config.model), size)
+        check_host_allocations(config)
         if dist.is_initialized():
             raise RuntimeError(f"tensor_parallel_size {size}: this process already belongs to a "
                                f"torch.distributed group; the engine starts and owns its ranks' group")
