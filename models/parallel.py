@@ -16,10 +16,19 @@ logits of its vocabulary rows and an all-gather joins them. Norms, rotary tables
 residual stream are replicated. With ``size`` 1 (no group) every collective is skipped and the
 model runs exactly as an unsplit one.
 
+Work that runs concurrently with the iterations on a stream of its own (the host batches of
+the async host pipeline) issues its collectives over a second group of the same ranks
+(``side_group``, entered with ``on_side_group``). NCCL runs all collectives of one group on one
+stream per device in the order they were issued, so collectives of two concurrent streams in one
+group would queue behind each other: an iteration's all-reduce would wait for a host batch's,
+which waits for that batch's host attention. In a group of their own, each stream's collectives
+keep their own order on every rank, and neither waits for the other.
+
 This module imports nothing from the engine: the caller passes a ``torch.distributed`` group
 (NCCL on GPUs, gloo on the CPU) or None.
 """
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -34,12 +43,30 @@ class TensorParallel:
 
     group: a ``torch.distributed`` process group of the ranks that share one model (the
     default group when ``dist.group.WORLD`` is passed), or None for a model on one rank.
+    side_group: a second group of the same ranks, for collectives queued on a stream that runs
+    concurrently with the iterations' (``on_side_group``); None: ``group`` serves both.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, side_group: dist.ProcessGroup | None = None):
         self.group = group
+        self.side_group = side_group if side_group is not None else group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        if side_group is not None and (dist.get_world_size(side_group), dist.get_rank(side_group)) != (
+                self.size, self.rank):
+            raise ValueError(f"the side group must hold the same ranks as the group: rank {self.rank} of "
+                             f"{self.size}, but rank {dist.get_rank(side_group)} of "
+                             f"{dist.get_world_size(side_group)} there")
+
+    @contextmanager
+    def on_side_group(self):
+        """Within the block, every collective goes over ``side_group``. Collectives are issued
+        by one thread, so the switch is seen only by the work queued inside the block."""
+        group, self.group = self.group, self.side_group
+        try:
+            yield
+        finally:
+            self.group = group
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``tensor`` over the ranks in place (``op``: a sum unless told; nothing on one

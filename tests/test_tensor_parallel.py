@@ -81,6 +81,35 @@ def test_the_activation_measure_runs_on_each_rank_with_its_kv_heads():
     run_ranks(_rank_prefill_probe, 2)
 
 
+def _rank_side_group(rank: int, size: int) -> None:
+    """Collectives inside ``on_side_group`` go over the side group, the group is restored after
+    the block (also when it raises), and a side group of other ranks is refused."""
+    side = dist.new_group(backend="gloo")
+    only_first = dist.new_group(ranks=[0], backend="gloo")  # every rank takes part in making it
+    parallel = TensorParallel(dist.group.WORLD, side)
+    assert parallel.group is dist.group.WORLD and parallel.side_group is side
+    with parallel.on_side_group():
+        assert parallel.group is side
+        summed = parallel.all_reduce(torch.full((3,), float(rank + 1)))
+        gathered = parallel.gather_columns(torch.full((2, 1), float(rank)))
+    assert parallel.group is dist.group.WORLD
+    assert torch.equal(summed, torch.full((3,), float(sum(range(1, size + 1)))))
+    assert torch.equal(gathered, torch.arange(size, dtype=torch.float32).expand(2, size))
+    with pytest.raises(KeyError):
+        with parallel.on_side_group():
+            raise KeyError("inside the block")
+    assert parallel.group is dist.group.WORLD
+    assert TensorParallel(dist.group.WORLD).side_group is dist.group.WORLD  # no side group: the group serves
+    if rank == 0:
+        with pytest.raises(ValueError, match="the side group must hold the same ranks as the group: rank 0 of 2, "
+                                             "but rank 0 of 1 there"):
+            TensorParallel(dist.group.WORLD, only_first)
+
+
+def test_collectives_beside_the_iterations_go_over_the_side_group():
+    run_ranks(_rank_side_group, 2)
+
+
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tensor_parallel")

@@ -5,9 +5,11 @@ driver's plans in lockstep (``ModelRunner.follow``; the plan and its channel are
 ``neo.runner.rank_plan``).
 
 All ranks join one ``torch.distributed`` group (gloo on the CPU; NCCL for CUDA tensors and gloo
-for CPU ones on GPUs, rank r on ``cuda:r``) for the model's collectives, and a gloo group of its
-own for the plans. Processes are spawned (no fork of a process that may hold CUDA state) as
-daemons, so they end with the driver's process.
+for CPU ones on GPUs, rank r on ``cuda:r``) for the model's collectives, a second one (NCCL on
+GPUs) for the collectives of host batches, which run beside the iterations
+(``TensorParallel.on_side_group``), and a gloo group of its own for the plans. Processes are
+spawned (no fork of a process that may hold CUDA state) as daemons, so they end with the
+driver's process.
 
 Failures: a worker that raises reports its traceback on a queue and exits; its sockets close,
 so the driver's next collective or plan send fails instead of waiting. The driver then names the
@@ -61,7 +63,13 @@ def join_group(rank: int, size: int, port: int, device_type: str) -> tuple[Tenso
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     plan_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(dist.group.WORLD), PlanChannel(plan_group, rank)
+    # The host batches' collectives (``TensorParallel.on_side_group``): a communicator, and on
+    # GPUs a stream, of their own. Set up now, while every rank is here, rather than inside the
+    # first host batch.
+    side_group = dist.new_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    probe = torch.zeros(1, device=torch.device("cuda", rank) if device_type == "cuda" else "cpu")
+    dist.all_reduce(probe, group=side_group)
+    return TensorParallel(dist.group.WORLD, side_group), PlanChannel(plan_group, rank)
 
 
 def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
