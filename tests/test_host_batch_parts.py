@@ -1,7 +1,8 @@
 """A host batch's layers in parts (``neo.runner.host_batches``): the executor's walk over layer
 ranges gives exactly the whole walk's logits, the split into parts covers every layer once, and a
-bad part size is refused. On CUDA, an engine whose host batches replay their layers in several
-graph parts, each launch queuing at most two of them, gives the tokens of one part.
+bad part size is refused. On CUDA, an engine whose host batches run their layers in several
+parts (graph replays, or eager walks where no graph fits), each launch queuing at most two of
+them, gives the tokens of one part.
 """
 
 import functools
@@ -140,16 +141,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available (torch.cuda.is_available() is False)")
 
 
-def generate_with_parts(layers_per_part: int, monkeypatch) -> tuple[list[list[int]], dict]:
-    """Greedy tokens of PROMPTS from a CUDA neo engine (async host pipeline, graphs) whose host
-    batches run in parts of ``layers_per_part`` layers, and what its host batches did."""
+def generate_with_parts(layers_per_part: int, monkeypatch, graphs: bool = True) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of PROMPTS from a CUDA neo engine (async host pipeline; CUDA graphs unless
+    ``graphs`` is False) whose host batches run in parts of ``layers_per_part`` layers, and what
+    its host batches did."""
     monkeypatch.setattr(neo.engine.build, "HostBatchRunner",
                         functools.partial(HostBatchRunner, layers_per_part=layers_per_part))
     llm = LLM("neo-tiny", device="cuda", dtype="float32", policy="neo", gpu_kv_cache_gib=gib_for_blocks(10),
-              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline="async")
+              cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8, host_pipeline="async",
+              use_cuda_graphs=graphs)
     try:
         runner = llm.engine.runner.host_batches
-        assert runner.graphs is not None, "the host batches replay no graphs (no ISPC kernels or no CUDA graphs)"
+        assert runner.asynchronous, "host work is not ordered on streams (no ISPC kernels)"
+        assert (runner.graphs is not None) == graphs
         seen = {"replayed": 0, "launch_parts": []}
         launched_before = runner.part_launches  # by any warm-up while the engine was built
         launch, collect = runner.launch, runner.collect
@@ -166,7 +170,7 @@ def generate_with_parts(layers_per_part: int, monkeypatch) -> tuple[list[list[in
 
         runner.launch, runner.collect = counting_launch, counting_collect
         outputs = llm.generate(PROMPTS, greedy(32))
-        seen["parts"] = len(runner.graphs.parts)
+        seen["parts"] = len(runner.parts)
         seen["part_launches"] = runner.part_launches - launched_before
         seen["host_batches"] = llm.get_metrics()["host_batches"]
         return [output.outputs[0].token_ids for output in outputs], seen
@@ -183,6 +187,20 @@ def test_graph_parts_give_the_tokens_of_one_part(layers_per_part, monkeypatch):
     assert whole["parts"] == 1 and parted["parts"] == NUM_LAYERS // layers_per_part
     for seen in (whole, parted):
         assert seen["replayed"] > 0 and seen["host_batches"] > 0
-        assert seen["part_launches"] == seen["parts"] * seen["replayed"]
+        assert seen["part_launches"] == seen["parts"] * seen["host_batches"]  # replayed or eager alike
     # A launch queues at most two parts; ``advance`` queued the others.
+    assert max(parted["launch_parts"]) == 2 and max(whole["launch_parts"]) == 1
+
+
+@needs_cuda
+def test_eager_parts_give_the_tokens_of_one_part(monkeypatch):
+    """Without CUDA graphs (as under tensor parallelism) a host batch is walked eagerly in the
+    same parts, at most two queued per launch."""
+    expected, whole = generate_with_parts(NUM_LAYERS, monkeypatch, graphs=False)
+    tokens, parted = generate_with_parts(1, monkeypatch, graphs=False)
+    assert tokens == expected
+    assert whole["parts"] == 1 and parted["parts"] == NUM_LAYERS
+    for seen in (whole, parted):
+        assert seen["replayed"] == 0 and seen["host_batches"] > 0
+        assert seen["part_launches"] == seen["parts"] * seen["host_batches"]
     assert max(parted["launch_parts"]) == 2 and max(whole["launch_parts"]) == 1

@@ -49,7 +49,11 @@ class StageRecorder:
 
     def expect(self, inputs) -> None:
         """The sub-batches of the next run."""
-        self.sub_batch_of = {id(batch.metadata): index for index, batch in enumerate(inputs)}
+        self.expect_metadata([batch.metadata for batch in inputs])
+
+    def expect_metadata(self, metadata) -> None:
+        """The sub-batches of the next run, by their attention metadata."""
+        self.sub_batch_of = {id(meta): index for index, meta in enumerate(metadata)}
         self.calls = []
 
 

@@ -84,6 +84,8 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
                 parts.runner.follow(payload)
             elif kind == "launch":
                 parts.runner.follow_host_batch(payload)
+            elif kind == "parts":
+                parts.runner.follow_host_batch_parts(payload)
             elif kind == "profile":
                 parts.profiler.run()
             else:

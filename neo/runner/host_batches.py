@@ -41,12 +41,22 @@ never waits on the driver. A model of at most ``layers_per_part`` layers has one
 tokens are copied to pinned memory behind an event that ``collect`` polls; the batch's
 ``started``/``ended`` timing events bracket all its parts.
 
-The eager path has no parts: a batch with no graph (contexts beyond the graphs' limit, or no
-CUDA) is queued whole at launch, and where host work cannot be ordered on streams (no CUDA, or
-CPU kernels written in Python) it runs to completion when it is launched.
+A batch with no graph (contexts beyond the graphs' limit, tensor parallelism, or no CUDA) is
+walked eagerly in the same parts (``EagerParts``: the executor's ``forward_layers`` over each
+part's layers), queued by the same rule, so an eager launch holds the engine's thread no longer
+than a replayed one. Where host work cannot be ordered on streams (no CUDA, or CPU kernels
+written in Python) every part is queued at launch and the batch runs to completion there.
+
+Under tensor parallelism every rank walks the batch over its shard, its collectives on the side
+group (``TensorParallel.on_side_group``), so they never queue behind or ahead of the iterations'.
+The driver's runner decides when each part is queued and reports how many it has queued
+(``on_parts_queued``); the other ranks queue theirs when told (``follow``, ``follow_parts``), so
+every rank issues the batch's collectives in the same order, and no rank queues a part before
+the driver has seen the part two before it complete.
 """
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -67,17 +77,55 @@ from .pipeline_graphs import PartReplay, PipelineGraphs
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
-NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
 DEFAULT_LAYERS_PER_PART = 16
 PARTS_PENDING = 2  # graph parts queued and not yet completed, at most
 
 
+class EagerParts:
+    """A host batch walked eagerly, one part of its layers at a time, with ``PartReplay``'s
+    interface: ``queue_next`` queues the next part's steps (``PipelineExecutor.forward_layers``)
+    on the current stream, ``logits`` the final norm and LM head behind the last."""
+
+    def __init__(self, executor: PipelineExecutor, inputs, parts: list[range]):
+        self._executor = executor
+        self._inputs = inputs
+        self._parts = parts
+        executor.prepare([inputs.metadata])
+        self._states = executor.embed([inputs.input_ids])
+        self.num_parts = len(parts)
+        self.queued = 0  # parts queued so far
+
+    @property
+    def all_queued(self) -> bool:
+        return self.queued == self.num_parts
+
+    def queue_next(self) -> None:
+        """Queue the next part's layers (behind the parts queued before it)."""
+        if self.all_queued:
+            raise RuntimeError(f"all {self.num_parts} parts of the walk are queued already")
+        self._states = self._executor.forward_layers(self._states, [self._inputs.metadata], HOST_BATCH,
+                                                     self._parts[self.queued])
+        self.queued += 1
+
+    def logits(self) -> torch.Tensor:
+        """Once every part is queued: float32 logits ``[requests, vocab]`` of the batch's rows."""
+        if not self.all_queued:
+            raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
+        rows = self._inputs.logits_indices
+        state = self._states[0]
+        logits = self._executor.compute_logits(self._executor.model.final_norm(state.hidden[rows],
+                                                                               state.residual[rows]))
+        self._executor.end()
+        return logits
+
+
 @dataclass
 class _QueuedParts:
-    """A graph replay whose parts are being queued, and an event recorded after each queued part."""
+    """A batch whose parts are being queued (a graph replay or an eager walk), and an event
+    recorded after each queued part but the last (on CUDA)."""
 
-    replay: PartReplay
+    walk: PartReplay | EagerParts
     ends: list[torch.cuda.Event]
 
 
@@ -105,8 +153,10 @@ class HostBatchRunner:
                  pad_rows: bool = False, layers_per_part: int = DEFAULT_LAYERS_PER_PART):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
         many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.runner.gemm_rows`` buckets.
-        ``layers_per_part``: the most layers one graph part holds (at least 1)."""
+        ``layers_per_part``: the most layers one part (graph or eager walk) holds (at least 1)."""
         parts = layer_parts(len(model.layers), layers_per_part)
+        self.parts = parts
+        self.model = model
         self.device = device
         self.block_size = kv_cache.layout.block_size
         self.executor = PipelineExecutor(model, kv_cache, device, host_kernels, worker, max_host_decodes=max_decodes,
@@ -123,7 +173,11 @@ class HostBatchRunner:
         self.token_buffer = (torch.empty(max_decodes, dtype=torch.int64, pin_memory=True)
                              if self.stream is not None else None)
         self._in_flight: _InFlight | None = None
-        self.part_launches = 0  # graph parts queued so far, over all batches
+        self.part_launches = 0  # parts queued so far, over all batches
+        # The driver of several tensor-parallel ranks: told the count of the batch's parts queued
+        # so far each time it grows (the other ranks queue theirs up to it).
+        self.on_parts_queued: Callable[[int], None] | None = None
+        self._following: _QueuedParts | None = None  # a rank that follows: the batch it walks
 
     @property
     def in_flight(self) -> bool:
@@ -139,15 +193,10 @@ class HostBatchRunner:
         launched_at = time.perf_counter()
         with self._on_host_stream():
             started = self._timing_event()
-            inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
-            shape = self.graphs.shape([inputs]) if self.graphs is not None else None
-            replay = self.graphs.start([inputs], shape, HOST_BATCH) if shape is not None else None
-            flight = _InFlight(batch.host_decodes, started, launched_at, replay is not None)
-            if replay is not None:
-                flight.parts = _QueuedParts(replay, [])
-                self._queue_due_parts(flight, most=PARTS_PENDING)
-            else:
-                self._queue_sampling(flight, self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS))
+            walk = self._start(batch)
+            flight = _InFlight(batch.host_decodes, started, launched_at, isinstance(walk, PartReplay),
+                               parts=_QueuedParts(walk, []))
+            self._queue_due_parts(flight, most=PARTS_PENDING if self.asynchronous else None)
         if not self.asynchronous:  # it ran to completion here
             if flight.done is not None:
                 flight.done.synchronize()
@@ -171,14 +220,53 @@ class HostBatchRunner:
             flight.failure = error
 
     def follow(self, batch: SubBatch) -> None:
-        """A tensor-parallel rank other than the driver: queue a host batch received from it
-        (``neo.runner.rank_plan``) on the host stream; its logits only join the driver's, which
-        samples, so nothing is kept in flight here."""
+        """A tensor-parallel rank other than the driver: start walking a host batch received
+        from it (``neo.runner.rank_plan``); its parts are queued as ``follow_parts`` says. The
+        batch before it has completed on the driver, so here it has all but ended: its end is
+        waited for, and what failed in its host work raised."""
+        self._end_following()
         with self._on_host_stream():
-            inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
-            self.executor.run([inputs], HOST_BATCH, NO_SWAPS, NO_SWAPS)
-        if not self.asynchronous:  # it ran to completion here
-            self.executor.raise_host_failure()
+            self._following = _QueuedParts(self._start(batch), [])
+
+    def follow_parts(self, count: int) -> None:
+        """A rank that follows: queue the parts of its batch up to the first ``count`` (as many
+        as the driver has queued), and once all are queued its logits, which only join the
+        driver's (the driver samples)."""
+        parts = self._following
+        if parts is None:
+            raise RuntimeError(f"told to queue {count} parts of a host batch, but none was launched")
+        if not parts.walk.queued <= count <= parts.walk.num_parts:
+            raise RuntimeError(f"told to queue {count} parts of a host batch of {parts.walk.num_parts}, "
+                               f"{parts.walk.queued} already queued")
+        with self._on_host_stream():
+            while parts.walk.queued < count:
+                parts.walk.queue_next()
+                self.part_launches += 1
+            if parts.walk.all_queued:
+                parts.walk.logits()
+        if parts.walk.all_queued and not self.asynchronous:  # it ran to completion here
+            self._end_following()
+
+    def _end_following(self) -> None:
+        """A rank that follows: wait for the batch it walks (all of whose parts were queued)
+        and raise what failed in its host work."""
+        parts, self._following = self._following, None
+        if parts is None:
+            return
+        if not parts.walk.all_queued:
+            raise RuntimeError(f"a host batch was launched while {parts.walk.num_parts - parts.walk.queued} "
+                               f"parts of the one before were not queued")
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.executor.raise_host_failure()
+
+    def _start(self, batch: SubBatch) -> PartReplay | EagerParts:
+        """The batch's inputs loaded for a walk in parts: a graph replay where one fits, else
+        an eager walk."""
+        inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
+        shape = self.graphs.shape([inputs]) if self.graphs is not None else None
+        replay = self.graphs.start([inputs], shape, HOST_BATCH) if shape is not None else None
+        return replay if replay is not None else EagerParts(self.executor, inputs, self.parts)
 
     def ready(self) -> bool:
         """Whether a launched batch has completed (False when none is in flight); queues its
@@ -207,7 +295,11 @@ class HostBatchRunner:
             return None
         self._in_flight = None
         if flight.failure is not None:
-            self.stream.synchronize()  # the parts queued before it still use the batch's buffers
+            # The parts queued before it, and any host work of the part that failed, still use
+            # the batch's buffers.
+            for stream in (self.stream, self.executor.copy_stream):
+                if stream is not None:
+                    stream.synchronize()
             raise flight.failure
         if flight.done is not None:
             flight.done.synchronize()
@@ -223,23 +315,36 @@ class HostBatchRunner:
                                flight.replayed_graph, flight.wait_seconds)
 
     def _queue_due_parts(self, flight: _InFlight, most: int | None = None) -> None:
-        """Queue parts while fewer than ``PARTS_PENDING`` queued ones are unfinished, at most
-        ``most`` of them (None: no limit); an event follows each part but the last, and the
-        sampling follows the last."""
+        """Queue the parts whose turn has come, at most ``most`` of them (None: no limit): where
+        host work is ordered on streams, a part once the part ``PARTS_PENDING`` before it has
+        completed (the first ``PARTS_PENDING`` at once); elsewhere every part, each having
+        completed when queued. An event follows each part but the last, and the sampling
+        follows the last. ``on_parts_queued`` hears the new count first, so the other ranks
+        queue the same parts whatever order their collectives need."""
         parts = flight.parts
-        queued = 0
-        while not parts.replay.all_queued and (most is None or queued < most):
-            if len(parts.ends) >= PARTS_PENDING and not parts.ends[-PARTS_PENDING].query():
-                return
-            parts.replay.queue_next()
-            self.part_launches += 1
-            queued += 1
-            if not parts.replay.all_queued:
+        walk = parts.walk
+        due = walk.num_parts - walk.queued if most is None else min(most, walk.num_parts - walk.queued)
+        if self.asynchronous:
+            ready = 0
+            while ready < due:
+                before = walk.queued + ready - PARTS_PENDING  # the part that must have completed
+                if before >= walk.queued or (before >= 0 and not parts.ends[before].query()):
+                    break
+                ready += 1
+            due = ready
+        if due == 0:
+            return
+        if self.on_parts_queued is not None:
+            self.on_parts_queued(walk.queued + due)
+        for _ in range(due):
+            walk.queue_next()
+            if self.asynchronous and not walk.all_queued:
                 parts.ends.append(torch.cuda.Event())
                 parts.ends[-1].record()
-        if parts.replay.all_queued:
+        self.part_launches += due
+        if walk.all_queued:
             flight.parts = None
-            self._queue_sampling(flight, parts.replay.logits())
+            self._queue_sampling(flight, walk.logits())
 
     def _queue_sampling(self, flight: _InFlight, logits: torch.Tensor) -> None:
         """Sample the batch's tokens from its float32 ``logits [requests, vocab]`` and, on CUDA,
@@ -259,8 +364,10 @@ class HostBatchRunner:
 
     @contextmanager
     def _on_host_stream(self):
-        """The context a batch's work is queued in: the host stream (on CUDA), inference mode."""
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(), torch.inference_mode():
+        """The context a batch's work is queued in: the host stream (on CUDA), the side group's
+        collectives, inference mode."""
+        with (torch.cuda.stream(self.stream) if self.stream is not None else nullcontext(),
+              self.model.parallel.on_side_group(), torch.inference_mode()):
             yield
 
     def _timing_event(self) -> torch.cuda.Event | None:

@@ -78,6 +78,8 @@ class ModelRunner:
         self.pipeline_graphs = pipeline_graphs
         self.host_batches = host_batches
         self.plan_channel = plan_channel
+        if host_batches is not None:
+            host_batches.on_parts_queued = self._send_host_batch_parts
         self.block_size = kv_cache.layout.block_size
         self.sampler = Sampler()
         self.host_token_buffers = HostTokenBuffers(device, max_sampled_rows)
@@ -145,8 +147,8 @@ class ModelRunner:
         logits only joining the driver's (the driver samples)."""
         logits, _, _, _ = self._forward(plan)
         if logits is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # the iteration's stream: not a host batch in flight beside it
+                torch.cuda.current_stream(self.device).synchronize()
             self.executor.raise_host_failure()
 
     def _forward(self, plan: SchedulerOutput,
@@ -189,9 +191,20 @@ class ModelRunner:
         self.host_batches.launch(batch)
 
     def follow_host_batch(self, batch: SubBatch) -> None:
-        """A rank other than the driver: run a host batch received from it over this rank's
-        shard (async host pipeline)."""
+        """A rank other than the driver: start a host batch received from it over this rank's
+        shard (async host pipeline); ``follow_host_batch_parts`` queues its parts."""
         self.host_batches.follow(batch)
+
+    def follow_host_batch_parts(self, count: int) -> None:
+        """A rank other than the driver: queue the host batch's layer parts up to ``count``, as
+        many as the driver has queued."""
+        self.host_batches.follow_parts(count)
+
+    def _send_host_batch_parts(self, count: int) -> None:
+        """The driver: tell the other ranks that ``count`` parts of its host batch are queued
+        (not while profiling, when each rank paces its own)."""
+        if self.plan_channel is not None:
+            self.plan_channel.send_parts(count)
 
     def advance_host_batch(self) -> None:
         """Queue the next layer parts of the host batch in flight whose turn has come

@@ -18,7 +18,8 @@ since the last one, so the other ranks drop their tables.
 
 Messages are ``(kind, payload)``: ``("execute", planned(plan))`` before an iteration,
 ``("launch", planned_sub_batch(host_batch))`` before a host batch of the async host pipeline is
-launched, ``("profile", None)`` before the driver profiles stage times (every rank then runs its
+launched, ``("parts", count)`` each time the driver has queued more of that batch's layer parts
+(``count`` of them so far: the others queue theirs up to it), ``("profile", None)`` before the driver profiles stage times (every rank then runs its
 own profiler in lockstep: the model's collectives join their measurements); ``None`` tells the
 others to stop. On the wire, "execute" and "launch" carry a third element, the ids of the
 finished requests. The channel is a gloo group of its own (``PlanChannel``):
@@ -149,6 +150,10 @@ class PlanChannel:
         """Rank 0: a host batch of the async host pipeline, before launching it."""
         finished = self.sent.forget_finished()
         self.send(("launch", planned_sub_batch(batch, self.sent), finished))
+
+    def send_parts(self, count: int) -> None:
+        """Rank 0: the host batch in flight has ``count`` of its layer parts queued."""
+        self.send(("parts", count))
 
     def send(self, message) -> None:
         """Rank 0: hand ``message`` (picklable; None: stop) to every other rank."""
