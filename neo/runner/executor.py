@@ -70,6 +70,40 @@ def layer_parts(num_layers: int, layers_per_part: int) -> list[range]:
     return parts
 
 
+class LayerPartWalk:
+    """An iteration's layers queued one part at a time (``layer_parts``), then its logits: the
+    interface the host batches queue through, whatever queues a part (a subclass's
+    ``_queue_part`` and ``_logits``: a graph replay, or the executor's eager walk)."""
+
+    def __init__(self, num_parts: int):
+        self.num_parts = num_parts
+        self.queued = 0  # parts queued so far
+
+    @property
+    def all_queued(self) -> bool:
+        return self.queued == self.num_parts
+
+    def queue_next(self) -> None:
+        """Queue the next part (behind the parts queued before it) on the current stream."""
+        if self.all_queued:
+            raise RuntimeError(f"all {self.num_parts} parts of the walk are queued already")
+        self._queue_part(self.queued)
+        self.queued += 1
+
+    def logits(self) -> torch.Tensor:
+        """Once every part is queued: the float32 logits ``[requests, vocab]`` of the plan's real
+        rows, in batch order (queued behind the last part)."""
+        if not self.all_queued:
+            raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
+        return self._logits()
+
+    def _queue_part(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _logits(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass
 class HiddenStates:
     """One sub-batch's activations between two layers: the last layer's output and the residual

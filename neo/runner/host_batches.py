@@ -69,7 +69,7 @@ from neo.sched.scheduler_output import SubBatch
 from neo.sched.stage_order import HOST_BATCH
 
 from .batch_inputs import build_batch_inputs
-from .executor import PipelineExecutor, layer_parts
+from .executor import LayerPartWalk, PipelineExecutor, layer_parts
 from .host_attention import HostKernels
 from .host_worker import HostAttentionWorker
 from .logits_processors import process_logits
@@ -82,36 +82,24 @@ DEFAULT_LAYERS_PER_PART = 16
 PARTS_PENDING = 2  # graph parts queued and not yet completed, at most
 
 
-class EagerParts:
-    """A host batch walked eagerly, one part of its layers at a time, with ``PartReplay``'s
-    interface: ``queue_next`` queues the next part's steps (``PipelineExecutor.forward_layers``)
-    on the current stream, ``logits`` the final norm and LM head behind the last."""
+class EagerParts(LayerPartWalk):
+    """A host batch walked eagerly, one part of its layers at a time: each part queues its
+    layers' steps (``PipelineExecutor.forward_layers``) on the current stream, the logits the
+    final norm and LM head behind the last."""
 
     def __init__(self, executor: PipelineExecutor, inputs, parts: list[range]):
+        super().__init__(len(parts))
         self._executor = executor
         self._inputs = inputs
         self._parts = parts
         executor.prepare([inputs.metadata])
         self._states = executor.embed([inputs.input_ids])
-        self.num_parts = len(parts)
-        self.queued = 0  # parts queued so far
 
-    @property
-    def all_queued(self) -> bool:
-        return self.queued == self.num_parts
-
-    def queue_next(self) -> None:
-        """Queue the next part's layers (behind the parts queued before it)."""
-        if self.all_queued:
-            raise RuntimeError(f"all {self.num_parts} parts of the walk are queued already")
+    def _queue_part(self, index: int) -> None:
         self._states = self._executor.forward_layers(self._states, [self._inputs.metadata], HOST_BATCH,
-                                                     self._parts[self.queued])
-        self.queued += 1
+                                                     self._parts[index])
 
-    def logits(self) -> torch.Tensor:
-        """Once every part is queued: float32 logits ``[requests, vocab]`` of the batch's rows."""
-        if not self.all_queued:
-            raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
+    def _logits(self) -> torch.Tensor:
         rows = self._inputs.logits_indices
         state = self._states[0]
         logits = self._executor.compute_logits(self._executor.model.final_norm(state.hidden[rows],
@@ -125,7 +113,7 @@ class _QueuedParts:
     """A batch whose parts are being queued (a graph replay or an eager walk), and an event
     recorded after each queued part but the last (on CUDA)."""
 
-    walk: PartReplay | EagerParts
+    walk: LayerPartWalk
     ends: list[torch.cuda.Event]
 
 
@@ -260,7 +248,7 @@ class HostBatchRunner:
             self.stream.synchronize()
         self.executor.raise_host_failure()
 
-    def _start(self, batch: SubBatch) -> PartReplay | EagerParts:
+    def _start(self, batch: SubBatch) -> LayerPartWalk:
         """The batch's inputs loaded for a walk in parts: a graph replay where one fits, else
         an eager walk."""
         inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)

@@ -44,7 +44,7 @@ from neo.models.attention_metadata import AttentionMetadata
 from neo.sched.stage_order import StageOrder
 from .batch_inputs import BatchInputs
 from .decode_graphs import graph_block_width
-from .executor import MAX_SUB_BATCHES, HiddenStates, PipelineExecutor
+from .executor import MAX_SUB_BATCHES, HiddenStates, LayerPartWalk, PipelineExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -237,35 +237,22 @@ class PipelineGraphs:
         return capture
 
 
-class PartReplay:
-    """One plan's replay of a captured iteration (``PipelineGraphs.start``), its parts queued in
-    order on the current stream, then its logits."""
+class PartReplay(LayerPartWalk):
+    """One plan's replay of a captured iteration (``PipelineGraphs.start``), its parts' graphs
+    queued in order on the current stream, then its logits."""
 
     def __init__(self, graphs: PipelineGraphs, capture: _Capture, batches: list[BatchInputs],
                  shape: tuple[tuple[int, int], ...]):
+        super().__init__(len(capture.graphs))
         self._graphs = graphs
         self._capture = capture
         self._batches = batches
         self._shape = shape
-        self.num_parts = len(capture.graphs)
-        self.queued = 0  # parts queued so far
 
-    @property
-    def all_queued(self) -> bool:
-        return self.queued == self.num_parts
+    def _queue_part(self, index: int) -> None:
+        self._capture.graphs[index].replay()
 
-    def queue_next(self) -> None:
-        """Queue the next part's graph (behind the parts queued before it)."""
-        if self.all_queued:
-            raise RuntimeError(f"all {self.num_parts} parts of the replay are queued already")
-        self._capture.graphs[self.queued].replay()
-        self.queued += 1
-
-    def logits(self) -> torch.Tensor:
-        """Once every part is queued: the float32 logits ``[requests, vocab]`` of the plan's
-        real rows, in batch order (queued behind the last part)."""
-        if not self.all_queued:
-            raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
+    def _logits(self) -> torch.Tensor:
         executor = self._graphs.executor
         executor.end(self._capture.wait_events)
         rows = [row for static, inputs, hidden, (gpu_rows, _) in zip(self._graphs.inputs, self._batches,
