@@ -36,6 +36,11 @@ class EngineConfig:
     trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
         at most ``cuda_graph_max_context`` tokens.
+    tensor_parallel_cuda_graphs: with ``tensor_parallel_size`` > 1 on GPUs, capture the decode
+        CUDA graphs (start-up, every rank alike) with the model's collectives inside them; off by
+        default until measured. The pipeline and host-batch graphs stay off above one rank:
+        they are captured while serving, and a capture that failed on one rank only would leave
+        the ranks replaying different work.
     host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
         "async" (host decodes run as their own batch on a stream of their own, which spans as
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
@@ -85,6 +90,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
+    tensor_parallel_cuda_graphs: bool = False
     cuda_graph_max_context: int = 8192
     host_pipeline: str = "async"
     pad_gemm_rows: bool | None = None

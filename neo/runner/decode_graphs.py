@@ -15,6 +15,10 @@ steps (the GEMM row buckets: multiples of 32 above 64) would halve the graphs to
 start-up, but every padding row costs a replay its share of the GEMMs and the elementwise
 kernels, so batches between the coarser sizes would decode a little slower all the time.
 
+Under tensor parallelism (``EngineConfig.tensor_parallel_cuda_graphs``) the captured forward
+holds the model's collectives: every rank captures the same sizes in the same order at start-up,
+and replays whenever the driver's plan does, so the ranks meet in the same collectives.
+
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the
 workspaces by stream), and ``torch.cuda.graph`` otherwise captures every graph on one shared
@@ -98,7 +102,9 @@ class DecodeGraphs:
                 forward()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: another thread's CUDA calls (the NCCL watchdog's event queries under
+            # tensor parallelism) do not invalidate the capture.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.hidden[size] = forward()
             pool = graph.pool()
             self.graphs[size] = graph
