@@ -48,7 +48,8 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 def record_plans(llm: LLM) -> list[tuple]:
     """The "execute" and "launch" messages the driver sends from now on, each as
     ``(kind, planned requests)``: the requests in the order the message carries them, with
-    their block tables as sent (whole, or the blocks from ``table_start`` on)."""
+    their block tables as sent (whole, or the blocks from ``table_start`` on); and the "parts"
+    messages as sent, ``("parts", count)``."""
     channel = llm.engine.runner.plan_channel
     send = channel.send
     recorded = []
@@ -58,6 +59,8 @@ def record_plans(llm: LLM) -> list[tuple]:
             kind, payload = message[0], message[1]
             batches = [payload] if kind == "launch" else payload.sub_batches + [payload.host_batch or SubBatch()]
             recorded.append((kind, [request for batch in batches for request in batch.requests]))
+        elif message is not None and message[0] == "parts":
+            recorded.append(message)
         send(message)
 
     channel.send = record_and_send
@@ -68,7 +71,9 @@ def resent_whole(recorded: list[tuple]) -> set[str]:
     """The ids of the requests whose table a message sent whole after an earlier one had
     carried the request."""
     carried, resent = set(), set()
-    for _, requests in recorded:
+    for kind, requests in recorded:
+        if kind == "parts":
+            continue
         for request in requests:
             if request.table_start == 0 and request.request_id in carried:
                 resent.add(request.request_id)
@@ -107,6 +112,13 @@ def test_two_ranks_give_the_greedy_tokens_of_one_when_offloading(one_rank_tokens
     try:
         assert greedy_tokens(llm) == one_rank_tokens
         assert llm.engine.metrics.host_decode_tokens > 0
+        # Each host batch: "launch", then "parts" counts rising to all of its layer parts.
+        launches = [index for index, (kind, _) in enumerate(recorded) if kind == "launch"]
+        assert bool(launches) == (host_pipeline == "async")
+        num_parts = len(llm.engine.runner.host_batches.parts) if launches else 0
+        for start, end in zip(launches, launches[1:] + [len(recorded)]):
+            counts = [count for kind, count in recorded[start:end] if kind == "parts"]
+            assert counts and counts == sorted(counts) and counts[-1] == num_parts
         # A request swapped out (or preempted) has a new table: it is sent whole again.
         moved = llm.engine.metrics.blocks_swapped_out + llm.engine.metrics.preemptions
         assert bool(resent_whole(recorded)) == (moved > 0)
