@@ -19,8 +19,20 @@
 #                HANDOFF_MODELS, HANDOFF_ARGS)
 #   offload-32b / offload-8b-poor / offload-8b-full / offload-threads / offload-70b-tp2
 #                policies side by side (offload-70b-tp2: two GPUs, tensor parallelism)
-#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two (synchronous scheduling in both)
-#                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...)
+#                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...,
+#                --gpu-kv-cache-gib 4 for the pool an 80 GB H100 leaves 70B on a larger GPU,
+#                --tensor-parallel-cuda-graphs)
+#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly and with the decode
+#                graphs captured across ranks (synchronous scheduling in all three)
+#   tp-tests     two GPUs: greedy tokens of two ranks against one (eager and graphs), the rank tests
+#   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
+#   tp-smoke     two GPUs: Llama-3.1-8B under neo with host batches (perf model zero, a small GPU
+#                pool, so most decodes run on the host), 64 requests, capped at 120 s: the async
+#                host pipeline's side group and its parts across ranks, before the long runs
+#   online-70b-tp2  two GPUs: Llama-3.1-70B shapes, 1000/300 with Poisson arrivals, gpu-only and neo
+#                (ONLINE_70B_POLICIES), goodput at a TTFT/TPOT objective (ONLINE_70B_ARGS replaces
+#                the rates, durations and objectives; ONLINE_70B_ENGINE_ARGS adds engine options,
+#                e.g. --gpu-kv-cache-gib 4, the pool an 80 GB H100 leaves, on larger GPUs)
 #   online       latency vs load through the HTTP server
 #   frontier     tokens/s against the time between a request's tokens, host decodes beside a full
 #                GPU pool (benchmarks/interval_frontier.py; FRONTIER_ARGS, e.g. --cpu-attention-threads 8)
@@ -33,9 +45,11 @@
 # skips the compile; .carry/ispc holds ISPC (install.sh + the .xz) for building the CPU kernel.
 # Perf-model tables the engine profiles are cached in $NEO_CACHE_DIR (default .carry/cache,
 # so carrying it reuses them) and copied to the results. Wheels in .carry/wheels (the server's
-# packages where the machine lacks them) are installed into /tmp/neo-site first.
+# packages where the machine lacks them: `bash benchmarks/server_wheels.sh` makes them) are
+# installed into /tmp/neo-site first.
 # files/gpu-monitor.csv samples the GPU's clocks, power and throttle reasons every 5 s.
-# Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256).
+# Environment: SECONDS_PER_RUN caps each offline run (default 60), NUM_REQUESTS (default 256;
+# TP_SCALING_REQUESTS for tp-scaling), CPU_KV_CACHE_GIB (online-70b-tp2's host pool per rank).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-results/raw}
@@ -163,13 +177,42 @@ stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
 stage_offload_70b_tp2() { offload 70b-tp2 ${OFFLOAD_ARGS:-}; }
 
-stage_tp_scaling() {
-  local size
-  for size in 1 2; do
-    run "tp-scaling-$size" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 8192 \
-      --workload synthetic:input=1000,output=300 --num-requests "$requests" --duration "$seconds" \
-      --tensor-parallel-size "$size" --no-async-scheduling --json > "$out/files/tp-scaling-$size.json"
+stage_tp_scaling() {  # one rank, two eager, two with the decode graphs captured across ranks
+  local run_name options
+  for run_name in 1 2 2-graphs; do
+    options="--tensor-parallel-size ${run_name%%-*}"
+    [ "$run_name" = 2-graphs ] && options="$options --tensor-parallel-cuda-graphs"
+    run "tp-scaling-$run_name" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
+      --max-model-len 8192 --workload synthetic:input=1000,output=300 \
+      --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options --no-async-scheduling \
+      --json > "$out/files/tp-scaling-$run_name.json"
   done
+}
+
+stage_tp_tests() {  # two GPUs: tokens of two ranks against one, eager and with graphs; the rank tests
+  run tp-tests timeout -k 10 400 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel_cuda.py \
+    tests/test_tensor_parallel_engine.py --junitxml="$out/files/tp-tests.xml"
+}
+
+stage_parts_tests() {  # host batches in parts, async scheduling and the engine on one GPU
+  run parts-tests timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_host_batch_parts.py \
+    tests/test_gpu_engine.py tests/test_async_scheduling.py --junitxml="$out/files/parts-tests.xml"
+}
+
+stage_tp_smoke() {
+  run tp-smoke timeout -k 10 150 neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
+    --max-model-len 4096 --tensor-parallel-size 2 --policy neo --host-pipeline async --perf-model zero \
+    --gpu-kv-cache-gib 0.5 --cpu-kv-cache-gib 8 --workload synthetic:input=1000,output=100 --num-requests 64 \
+    --duration 120 --json > "$out/files/tp-smoke.json"
+}
+
+stage_online_70b_tp2() {
+  server_packages || { failures+=(online-70b-tp2); return; }
+  run online-70b-tp2 python3 benchmarks/online.py --output-dir "$out/files" --tag 70b-tp2 \
+    --policies "${ONLINE_70B_POLICIES:-gpu-only,neo}" --workload synthetic:input=1000,output=300 \
+    ${ONLINE_70B_ARGS:---rates 1,2 --duration-per-rate 40 --drain-timeout 60 --goodput ttft:3000 tpot:150} -- \
+    --model llama-3.1-70b --load-format dummy --dtype bfloat16 --max-model-len 4096 --tensor-parallel-size 2 \
+    --cpu-kv-cache-gib "${CPU_KV_CACHE_GIB:-40}" ${ONLINE_70B_ENGINE_ARGS:-}
 }
 
 stage_async_watchdog() {
@@ -192,7 +235,15 @@ stage_frontier() {
   run frontier python3 benchmarks/interval_frontier.py ${FRONTIER_ARGS:-} --json "$out/files/frontier-$(date +%H%M%S).json"
 }
 
+server_packages() {  # the online stages' server and client packages, or why they are missing
+  python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && return 0
+  echo "== the server's packages are missing (fastapi, uvicorn, openai): carry them, made here with" \
+    "bash benchmarks/server_wheels.sh (into .carry/wheels)"
+  return 1
+}
+
 stage_online() {
+  server_packages || { failures+=(online); return; }
   run online python3 benchmarks/online.py --output-dir "$out/files" ${ONLINE_ARGS:-}
 }
 

@@ -8,8 +8,9 @@ Scenarios (dummy weights, bf16; see ``SCENARIOS``):
 - ``8b-full``: Llama-3.1-8B with the whole GPU, the Azure code trace and synthetic 1000/300;
 - ``32b-threads``: the 32B memory-poor setting with 4, 8 and 15 host attention threads;
 - ``70b-tp2``: Llama-3.1-70B shapes on two GPUs (tensor parallelism), the GPU pools what the
-  weights leave, synthetic 1000/300 and the Azure code trace (set the multi-GPU machine's
-  variables, e.g. ``NCCL_NVLS_ENABLE=0``, in the environment: the ranks inherit it).
+  weights leave, a 40 GiB host pool per rank, synthetic 1000/300 and the Azure code trace (set
+  the multi-GPU machine's variables, e.g. ``NCCL_NVLS_ENABLE=0``, in the environment: the ranks
+  inherit it).
 
 Each run submits all requests at once and reports the end-to-end throughput to completion and
 the steady window's (``neo.bench``), each also as a ratio to gpu-only's; runs can be capped in
@@ -62,7 +63,7 @@ SCENARIOS = {
                     workloads=[f"synthetic:input=1000,output={output}" for output in (50, 100, 200, 300, 400)]),
     "8b-full": dict(model="llama-3.1-8b", gpu_kv_cache_gib=None, cpu_kv_cache_gib=64.0, max_model_len=8192,
                     workloads=["azure-code", "synthetic:input=1000,output=300"]),
-    "70b-tp2": dict(model="llama-3.1-70b", gpu_kv_cache_gib=None, cpu_kv_cache_gib=64.0, max_model_len=4096,
+    "70b-tp2": dict(model="llama-3.1-70b", gpu_kv_cache_gib=None, cpu_kv_cache_gib=40.0, max_model_len=4096,
                     tensor_parallel_size=2, workloads=["synthetic:input=1000,output=300", "azure-code"]),
     "32b-threads": dict(model="qwen2.5-32b", gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0,
                         workloads=["synthetic:input=500,output=500"], threads=(4, 8, 15),
@@ -223,6 +224,8 @@ def main() -> None:
     parser.add_argument("--cpu-kv-cache-gib", type=float, default=None, help="override the scenario's host pool")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="GPUs (ranks) per engine; default: the scenario's, else 1")
+    parser.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
+                        help="above one rank, capture the decode CUDA graphs with the collectives inside")
     parser.add_argument("--output-dir", default=".")
     parser.add_argument("--keep-traces", action="store_true",
                         help="also write each run's per-iteration trace (trace-*.json.gz)")
@@ -241,7 +244,7 @@ def main() -> None:
                         max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
                         tensor_parallel_size=args.tensor_parallel_size or scenario.get("tensor_parallel_size", 1),
-                        perf_model=args.perf_model)
+                        tensor_parallel_cuda_graphs=args.tensor_parallel_cuda_graphs, perf_model=args.perf_model)
     report = {
         "scenario": args.scenario,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
