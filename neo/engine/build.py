@@ -106,6 +106,11 @@ def host_attention_worker(config: EngineConfig, parallel: TensorParallel) -> Hos
     return HostAttentionWorker(config.cpu_attention_threads or max(1, len(cores) - 1), cores if pin else None)
 
 
+def resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    """``max_model_len``, or the model's context where unset, at most the model's context."""
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
 def check_host_allocations(config: EngineConfig) -> None:
     """Refuse (``ValueError``) an engine whose host allocations, over all its
     ``tensor_parallel_size`` ranks on this host, exceed the memory available now
@@ -113,8 +118,7 @@ def check_host_allocations(config: EngineConfig) -> None:
     model_config = resolve_model_config(config.model)
     device = config.compute_device
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
+    max_model_len = resolve_max_model_len(config, model_config)
     compute_pool_bytes = gpu_kv_cache_bytes(config, None, device, max_model_len) if device.type == "cpu" else 0
     check_host_memory(config.model, model_config, dtype, device, compute_pool_bytes,
                       int(config.cpu_kv_cache_gib * GIB), available_host_bytes(), config.tensor_parallel_size)
@@ -138,8 +142,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     model_config = resolve_model_config(config.model)
     check_divisible(model_config, parallel.size)
     dtype = resolve_dtype(config.dtype, model_config.dtype, device)
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
+    max_model_len = resolve_max_model_len(config, model_config)
     if parallel.size == 1:  # several ranks: checked for all of them before they start (RankWorkers)
         check_host_allocations(config)
     with startup.phase("load model"):

@@ -33,6 +33,7 @@ issued before the next part's first ``pre``), which keeps every step after the s
 """
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ def layer_parts(num_layers: int, layers_per_part: int) -> list[range]:
     return parts
 
 
-class LayerPartWalk:
+class LayerPartWalk(ABC):
     """An iteration's layers queued one part at a time (``layer_parts``), then its logits: the
     interface the host batches queue through, whatever queues a part (a subclass's
     ``_queue_part`` and ``_logits``: a graph replay, or the executor's eager walk)."""
@@ -97,11 +98,13 @@ class LayerPartWalk:
             raise RuntimeError(f"the logits follow the last part; {self.queued} of {self.num_parts} parts are queued")
         return self._logits()
 
+    @abstractmethod
     def _queue_part(self, index: int) -> None:
-        raise NotImplementedError
+        """Queue part ``index``'s layers on the current stream."""
 
+    @abstractmethod
     def _logits(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The logits, queued behind the last part."""
 
 
 @dataclass

@@ -165,7 +165,7 @@ class HostBatchRunner:
         # The driver of several tensor-parallel ranks: told the count of the batch's parts queued
         # so far each time it grows (the other ranks queue theirs up to it).
         self.on_parts_queued: Callable[[int], None] | None = None
-        self._following: _QueuedParts | None = None  # a rank that follows: the batch it walks
+        self._following: LayerPartWalk | None = None  # a rank that follows: the batch it walks
 
     @property
     def in_flight(self) -> bool:
@@ -214,35 +214,35 @@ class HostBatchRunner:
         waited for, and what failed in its host work raised."""
         self._end_following()
         with self._on_host_stream():
-            self._following = _QueuedParts(self._start(batch), [])
+            self._following = self._start(batch)
 
     def follow_parts(self, count: int) -> None:
         """A rank that follows: queue the parts of its batch up to the first ``count`` (as many
         as the driver has queued), and once all are queued its logits, which only join the
         driver's (the driver samples)."""
-        parts = self._following
-        if parts is None:
+        walk = self._following
+        if walk is None:
             raise RuntimeError(f"told to queue {count} parts of a host batch, but none was launched")
-        if not parts.walk.queued <= count <= parts.walk.num_parts:
-            raise RuntimeError(f"told to queue {count} parts of a host batch of {parts.walk.num_parts}, "
-                               f"{parts.walk.queued} already queued")
+        if not walk.queued <= count <= walk.num_parts:
+            raise RuntimeError(f"told to queue {count} parts of a host batch of {walk.num_parts}, "
+                               f"{walk.queued} already queued")
         with self._on_host_stream():
-            while parts.walk.queued < count:
-                parts.walk.queue_next()
-                self.part_launches += 1
-            if parts.walk.all_queued:
-                parts.walk.logits()
-        if parts.walk.all_queued and not self.asynchronous:  # it ran to completion here
+            self.part_launches += count - walk.queued
+            while walk.queued < count:
+                walk.queue_next()
+            if walk.all_queued:
+                walk.logits()
+        if walk.all_queued and not self.asynchronous:  # it ran to completion here
             self._end_following()
 
     def _end_following(self) -> None:
         """A rank that follows: wait for the batch it walks (all of whose parts were queued)
         and raise what failed in its host work."""
-        parts, self._following = self._following, None
-        if parts is None:
+        walk, self._following = self._following, None
+        if walk is None:
             return
-        if not parts.walk.all_queued:
-            raise RuntimeError(f"a host batch was launched while {parts.walk.num_parts - parts.walk.queued} "
+        if not walk.all_queued:
+            raise RuntimeError(f"a host batch was launched while {walk.num_parts - walk.queued} "
                                f"parts of the one before were not queued")
         if self.stream is not None:
             self.stream.synchronize()

@@ -18,10 +18,10 @@ since the last one, so the other ranks drop their tables.
 
 Messages are ``(kind, payload)``: ``("execute", planned(plan))`` before an iteration,
 ``("launch", planned_sub_batch(host_batch))`` before a host batch of the async host pipeline is
-launched, ``("parts", count)`` each time the driver has queued more of that batch's layer parts
-(``count`` of them so far: the others queue theirs up to it), ``("profile", None)`` before the driver profiles stage times (every rank then runs its
-own profiler in lockstep: the model's collectives join their measurements); ``None`` tells the
-others to stop. On the wire, "execute" and "launch" carry a third element, the ids of the
+launched, ``("parts", count)`` before the driver queues more of that batch's layer parts (the
+first ``count`` then: the others queue theirs up to it), ``("profile", None)`` before the driver
+profiles stage times (every rank then runs its own profiler in lockstep: the model's collectives
+join their measurements); ``None`` tells the others to stop. On the wire, "execute" and "launch" carry a third element, the ids of the
 finished requests. The channel is a gloo group of its own (``PlanChannel``):
 ``broadcast_object_list`` pickles the message on rank 0 and unpickles it on the others.
 """
@@ -152,7 +152,7 @@ class PlanChannel:
         self.send(("launch", planned_sub_batch(batch, self.sent), finished))
 
     def send_parts(self, count: int) -> None:
-        """Rank 0: the host batch in flight has ``count`` of its layer parts queued."""
+        """Rank 0: the host batch in flight is about to have its first ``count`` layer parts queued."""
         self.send(("parts", count))
 
     def send(self, message) -> None:
