@@ -159,6 +159,20 @@ def test_concurrently_replayed_graphs_are_captured_on_streams_of_their_own():
         llm.close()
 
 
+def test_close_releases_the_decode_graphs():
+    """A tensor-parallel rank must free its decode graphs before leaving its process group
+    (they hold its collectives, and NCCL would wait forever to destroy it); every engine's close
+    frees them."""
+    llm = LLM("neo-tiny", device="cuda", dtype="float32", policy="gpu-only", gpu_kv_cache_gib=gib_for_blocks(64),
+              max_num_seqs=8)
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    assert graphs.graphs
+    llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    llm.close()
+    assert runner.decode_graphs is None and not graphs.graphs and not graphs.hidden
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_gpu_store_kernel_writes_the_page_locked_host_pool_in_place(dtype):
     """The K/V a prefill makes for a host-bound request is stored by the GPU's store kernel

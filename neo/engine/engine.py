@@ -622,6 +622,10 @@ class LLMEngine:
                 logger.warning("the host batch in flight at close failed: %s", error)
         if self.trace is not None:
             self.trace.save(self.config.trace_path)
+        try:
+            self.runner.release_graphs()
+        except RuntimeError as error:  # a device that failed fails its synchronization too
+            logger.warning("releasing the CUDA graphs at close failed: %s", error)
         if self.worker is not None:
             self.worker.shutdown()
         self.kv_cache.close()

@@ -95,6 +95,10 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
         raise SystemExit(1) from None
     finally:
         if parts is not None:
+            try:
+                parts.runner.release_graphs()  # before leaving the group: they hold its collectives
+            except RuntimeError as error:  # a device that failed fails its synchronization too
+                logger.warning("rank %d: releasing the CUDA graphs failed: %s", rank, error)
             if parts.worker is not None:
                 parts.worker.shutdown()
             parts.kv_cache.close()

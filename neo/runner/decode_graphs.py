@@ -111,6 +111,15 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Free the graphs and their memory, after their last replay. Under tensor parallelism
+        a rank releases them before it leaves its process group: NCCL cannot destroy a
+        communicator whose collectives a live graph holds, and leaving would wait forever."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.hidden.clear()
+
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         """Replay for a decode-only batch the runner's ``GraphCoverage`` says these graphs cover;
         returns float32 logits ``[num_decodes, vocab]``."""

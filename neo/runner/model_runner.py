@@ -223,6 +223,16 @@ class ModelRunner:
             return None
         return self.host_batches.collect(wait_seconds)
 
+    def release_graphs(self) -> None:
+        """Free the decode graphs after the last iteration (the runner executes nothing after
+        this): a rank must, before it leaves its tensor-parallel group, since those graphs hold
+        the model's collectives (``DecodeGraphs.release``). The pipeline and host-batch graphs
+        are captured on one rank only and hold none; they go with the runner."""
+        if self.decode_graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.decode_graphs.release()
+            self.decode_graphs = None
+
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = block_pairs(plan.swap_out), block_pairs(plan.swap_in)
         for layer_index in range(self.kv_cache.layout.num_layers):
