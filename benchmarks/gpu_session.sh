@@ -182,7 +182,7 @@ stage_tp_scaling() {  # one rank, two eager, two with the decode graphs captured
   for run_name in 1 2 2-graphs; do
     options="--tensor-parallel-size ${run_name%%-*}"
     [ "$run_name" = 2-graphs ] && options="$options --tensor-parallel-cuda-graphs"
-    run "tp-scaling-$run_name" neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
+    run "tp-scaling-$run_name" timeout -k 10 $((seconds + 240)) neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --max-model-len 8192 --workload synthetic:input=1000,output=300 \
       --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options --no-async-scheduling \
       --json > "$out/files/tp-scaling-$run_name.json"
@@ -212,7 +212,7 @@ stage_online_70b_tp2() {
     --policies "${ONLINE_70B_POLICIES:-gpu-only,neo}" --workload synthetic:input=1000,output=300 \
     ${ONLINE_70B_ARGS:---rates 1,2 --duration-per-rate 40 --drain-timeout 60 --goodput ttft:3000 tpot:150} -- \
     --model llama-3.1-70b --load-format dummy --dtype bfloat16 --max-model-len 4096 --tensor-parallel-size 2 \
-    --cpu-kv-cache-gib "${CPU_KV_CACHE_GIB:-40}" ${ONLINE_70B_ENGINE_ARGS:-}
+    --gpu-memory-utilization 0.95 --cpu-kv-cache-gib "${CPU_KV_CACHE_GIB:-40}" ${ONLINE_70B_ENGINE_ARGS:-}
 }
 
 stage_async_watchdog() {
