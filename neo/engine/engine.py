@@ -624,7 +624,7 @@ class LLMEngine:
             self.trace.save(self.config.trace_path)
         try:
             self.runner.release_graphs()
-        except RuntimeError as error:  # a device that failed fails its synchronization too
+        except RuntimeError as error:  # a device in an error state refuses the release too
             logger.warning("releasing the CUDA graphs at close failed: %s", error)
         if self.worker is not None:
             self.worker.shutdown()

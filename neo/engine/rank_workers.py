@@ -97,7 +97,7 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
         if parts is not None:
             try:
                 parts.runner.release_graphs()  # before leaving the group: they hold its collectives
-            except RuntimeError as error:  # a device that failed fails its synchronization too
+            except RuntimeError as error:  # a device in an error state refuses the release too
                 logger.warning("rank %d: releasing the CUDA graphs failed: %s", rank, error)
             if parts.worker is not None:
                 parts.worker.shutdown()

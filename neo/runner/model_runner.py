@@ -224,12 +224,12 @@ class ModelRunner:
         return self.host_batches.collect(wait_seconds)
 
     def release_graphs(self) -> None:
-        """Free the decode graphs after the last iteration (the runner executes nothing after
-        this): a rank must, before it leaves its tensor-parallel group, since those graphs hold
-        the model's collectives (``DecodeGraphs.release``). The pipeline and host-batch graphs
-        are captured on one rank only and hold none; they go with the runner."""
+        """Free the decode graphs once the last iteration has completed (the runner executes
+        nothing after this): a rank must, before it leaves its tensor-parallel group, since those
+        graphs hold the model's collectives (``DecodeGraphs.release``). No device-wide wait here:
+        after a rank failed, a collective on the stream may never complete. The pipeline and
+        host-batch graphs are captured on one rank only and hold none; they go with the runner."""
         if self.decode_graphs is not None:
-            torch.cuda.synchronize(self.device)
             self.decode_graphs.release()
             self.decode_graphs = None
 
