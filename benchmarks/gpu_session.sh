@@ -21,10 +21,12 @@
 #                policies side by side (offload-70b-tp2: two GPUs, tensor parallelism)
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...,
 #                --gpu-kv-cache-gib 4 for the pool an 80 GB H100 leaves 70B on a larger GPU,
-#                --tensor-parallel-cuda-graphs)
-#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly and with the decode
-#                graphs captured across ranks (synchronous scheduling in all three)
-#   tp-tests     two GPUs: greedy tokens of two ranks against one (eager and graphs), the rank tests
+#                --tensor-parallel-cuda-graphs --async-scheduling)
+#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly, with the decode
+#                graphs captured across ranks (synchronous scheduling), and with those graphs and
+#                async scheduling
+#   tp-tests     two GPUs: greedy tokens of two ranks against one (eager, graphs, graphs with async
+#                scheduling), the rank tests
 #   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
 #   tp-smoke     two GPUs: Llama-3.1-8B under neo with host batches (perf model zero, a small GPU
 #                pool, so most decodes run on the host), 64 requests, capped at 120 s: the async
@@ -177,19 +179,21 @@ stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
 stage_offload_70b_tp2() { offload 70b-tp2 ${OFFLOAD_ARGS:-}; }
 
-stage_tp_scaling() {  # one rank, two eager, two with the decode graphs captured across ranks
+stage_tp_scaling() {  # one rank; two eager, with the decode graphs across ranks, and those with async scheduling
   local run_name options
-  for run_name in 1 2 2-graphs; do
+  for run_name in 1 2 2-graphs 2-graphs-ahead; do
     options="--tensor-parallel-size ${run_name%%-*}"
-    [ "$run_name" = 2-graphs ] && options="$options --tensor-parallel-cuda-graphs"
+    [ "$run_name" != 1 ] && [ "$run_name" != 2 ] && options="$options --tensor-parallel-cuda-graphs"
+    if [ "$run_name" = 2-graphs-ahead ]; then options="$options --async-scheduling"
+    else options="$options --no-async-scheduling"; fi
     run "tp-scaling-$run_name" timeout -k 10 $((seconds + 240)) neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --max-model-len 8192 --workload synthetic:input=1000,output=300 \
-      --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options --no-async-scheduling \
+      --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options \
       --json > "$out/files/tp-scaling-$run_name.json"
   done
 }
 
-stage_tp_tests() {  # two GPUs: tokens of two ranks against one, eager and with graphs; the rank tests
+stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead); the rank tests
   run tp-tests timeout -k 10 400 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel_cuda.py \
     tests/test_tensor_parallel_engine.py --junitxml="$out/files/tp-tests.xml"
 }

@@ -230,6 +230,9 @@ def main() -> None:
                         help="GPUs (ranks) per engine; default: the scenario's, else 1")
     parser.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
                         help="above one rank, capture the decode CUDA graphs with the collectives inside")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan each iteration before the previous one's tokens are read (default: the "
+                             "engine's, on for one CUDA rank only)")
     parser.add_argument("--output-dir", default=".")
     parser.add_argument("--keep-traces", action="store_true",
                         help="also write each run's per-iteration trace (trace-*.json.gz)")
@@ -250,7 +253,8 @@ def main() -> None:
                         max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
                         tensor_parallel_size=args.tensor_parallel_size or scenario.get("tensor_parallel_size", 1),
-                        tensor_parallel_cuda_graphs=args.tensor_parallel_cuda_graphs, perf_model=args.perf_model)
+                        tensor_parallel_cuda_graphs=args.tensor_parallel_cuda_graphs,
+                        async_scheduling=args.async_scheduling, perf_model=args.perf_model)
     report = {
         "scenario": args.scenario,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

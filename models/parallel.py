@@ -75,6 +75,13 @@ class TensorParallel:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def broadcast_from_driver(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank 0's, in place (nothing on one rank);
+        returns it."""
+        if self.size > 1:
+            dist.broadcast(tensor, group=self.group, group_src=0)
+        return tensor
+
     def row_parallel_linear(self, input: torch.Tensor, weight: torch.Tensor,
                             bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel linear layer: ``input [T, in / size]`` (this rank's input features)

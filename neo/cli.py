@@ -122,7 +122,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch each iteration before the previous one's tokens reach the "
                             "host (the next input ids are taken on the device); default: on for one CUDA "
-                            "device, off on the CPU")
+                            "device with one rank, off on the CPU and above one rank")
     group.add_argument("--trace", dest="trace_path", default=None,
                        help="write a per-iteration trace (JSON) here")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of dummy weights")

@@ -67,9 +67,10 @@ class EngineConfig:
         has one more token computed, which is dropped. Under the offloading policies the
         GPU's iterations are planned ahead, and host batches launched and collected beside them;
         an iteration that itself decodes on the host (the lockstep pipeline) or prefills into
-        the host pool runs after the previous tokens are read. One rank only. None (the
-        default): on for a CUDA device with one rank, off on the CPU (nothing runs beside the
-        host's work there, so it gains nothing).
+        the host pool runs after the previous tokens are read. Above one rank the driver's
+        samples reach the other ranks on the device, one broadcast an iteration. None (the
+        default): on for a CUDA device with one rank; off above one rank (not yet measured
+        there) and on the CPU (nothing runs beside the host's work there, so it gains nothing).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.
@@ -141,9 +142,6 @@ class EngineConfig:
             if not 1 <= self.cpu_attention_threads <= cores:
                 raise ValueError(f"cpu_attention_threads must be from 1 to this machine's {cores} "
                                  f"logical cores, got {self.cpu_attention_threads}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(f"async_scheduling=True needs tensor_parallel_size 1, got "
-                             f"{self.tensor_parallel_size}")
         if self.device is not None:
             device = torch.device(self.device)
             if device.type not in ("cpu", "cuda"):

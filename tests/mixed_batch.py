@@ -3,7 +3,7 @@
 abort mid-run, seeded sampling, parallel sampling, and requests whose plans take the synchronous
 order (penalties, log-probabilities)."""
 
-from engine_reference import PROMPTS, gib_for_blocks
+from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
 from neo.request import KVLocation
 from neo.sched.runner_output import UNRESOLVED_TOKEN
@@ -13,11 +13,14 @@ STEP_LIMIT = 500  # steps any run here needs at most
 
 
 def engine_for(async_scheduling: bool, gpu_blocks: int, device: str = "cpu", policy: str = "gpu-only",
-               host_pipeline: str = "async") -> LLMEngine:
+               host_pipeline: str = "async", tensor_parallel_size: int = 1) -> LLMEngine:
+    """A float32 neo-tiny engine whose pools hold ``gpu_blocks`` and 256 blocks on every rank
+    (a rank's block holds 1 / ``tensor_parallel_size`` of the KV heads)."""
+    block_bytes = BLOCK_BYTES // tensor_parallel_size
     return LLMEngine(EngineConfig(model="neo-tiny", device=device, dtype="float32", policy=policy,
-                                  host_pipeline=host_pipeline, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks),
-                                  cpu_kv_cache_gib=gib_for_blocks(256), perf_model="zero", max_num_seqs=8,
-                                  async_scheduling=async_scheduling))
+                                  host_pipeline=host_pipeline, gpu_kv_cache_gib=gib_for_blocks(gpu_blocks, block_bytes),
+                                  cpu_kv_cache_gib=gib_for_blocks(256, block_bytes), perf_model="zero", max_num_seqs=8,
+                                  async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size))
 
 
 def reference_run() -> list[tuple[list[int], str]]:

@@ -133,6 +133,31 @@ def test_greedy_equals_transformers(gpu_blocks, expected):
     assert (preemptions > 0) == (gpu_blocks == 8)
 
 
-def test_async_scheduling_with_several_ranks_is_refused():
-    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size 1, got 2"):
-        EngineConfig(model="neo-tiny", device="cpu", async_scheduling=True, tensor_parallel_size=2)
+POLICIES = [("gpu-only", "async"), ("neo", "async"), ("neo", "lockstep")]
+
+
+@pytest.mark.parametrize("policy, host_pipeline", POLICIES, ids=["gpu-only", "neo-async", "neo-lockstep"])
+def test_two_ranks_scheduling_ahead_give_one_synchronous_ranks_tokens(policy, host_pipeline, mixed_requests):
+    """Two ranks on the CPU (gloo) with async scheduling: the driver's samples reach the other
+    rank by broadcast, and that rank takes the next plan's unresolved tokens from them. The mixed
+    batch's tokens must equal one synchronous rank's, with a pool so small that requests are
+    preempted or decode on the host, and every block free afterwards."""
+    results = {}
+    for size, async_scheduling in ((1, False), (2, True)):
+        engine = engine_for(async_scheduling, 12, "cpu", policy, host_pipeline, tensor_parallel_size=size)
+        launches_ahead = count_launches_ahead(engine)
+        try:
+            results[size] = run_mixed(engine, mixed_requests)
+            engine.step()
+            assert_all_blocks_free(engine)
+            key = "preemptions" if policy == "gpu-only" else "host_decode_tokens"
+            assert engine.metrics.as_dict()[key] > 0
+        finally:
+            engine.close()
+        assert (launches_ahead[0] > 0) == async_scheduling
+    assert results[2] == results[1]
+
+
+def test_async_scheduling_is_off_by_default_above_one_rank():
+    assert not EngineConfig(model="neo-tiny", device="cpu", tensor_parallel_size=2).schedules_ahead
+    assert EngineConfig(model="neo-tiny", device="cpu", tensor_parallel_size=2, async_scheduling=True).schedules_ahead

@@ -214,7 +214,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
                                            max_blocks_per_sequence, graph_context if parallel.size == 1 else None,
                                            pad_rows)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
-                         pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs)
+                         pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs,
+                         share_samples=parallel.size > 1 and config.schedules_ahead)
 
     perf_model, profiler = PerfModel.zero(), None
     if offloading:  # the profiler, when it runs, measures through the runner built above

@@ -63,12 +63,15 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, executor: PipelineExecutor, device: torch.device,
                  stage_orders: dict[int, StageOrder], decode_graphs: DecodeGraphs | None = None,
                  pipeline_graphs: PipelineGraphs | None = None, host_batches: HostBatchRunner | None = None,
-                 plan_channel: PlanChannel | None = None, max_sampled_rows: int = 1):
+                 plan_channel: PlanChannel | None = None, max_sampled_rows: int = 1, share_samples: bool = False):
         """``stage_orders``: the order of a plan of that many sub-batches that names none.
         ``host_batches``: runs the host batches of the async host pipeline (None: lockstep).
         ``plan_channel``: on the driver of several ranks, where each plan goes first (None: one
         rank, or a rank that follows). ``max_sampled_rows``: the most tokens an iteration samples
-        (the page-locked buffers they are read through are allocated for that many now)."""
+        (the page-locked buffers they are read through are allocated for that many now).
+        ``share_samples``: every iteration's samples go from the driver to every rank on the
+        device (async scheduling over several ranks: a plan made before the tokens of the one
+        before were read leaves them unresolved, and every rank takes them from there)."""
         self.model = model
         self.kv_cache = kv_cache
         self.executor = executor
@@ -78,6 +81,8 @@ class ModelRunner:
         self.pipeline_graphs = pipeline_graphs
         self.host_batches = host_batches
         self.plan_channel = plan_channel
+        self.share_samples = share_samples
+        self._followed_samples: PreviousTokens | None = None  # a following rank's copy of the last samples
         if host_batches is not None:
             host_batches.on_parts_queued = self._send_host_batch_parts
         self.block_size = kv_cache.layout.block_size
@@ -115,6 +120,8 @@ class ModelRunner:
             return LaunchedIteration([], None, None, began, time.perf_counter() - began, False, False, None)
         sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
                                [r.generator for r in requests])
+        if self.share_samples:  # every rank calls this in the same order: the profiler's samples too
+            self.model.parallel.broadcast_from_driver(sampled)
         logprobs = TokenLogprobs.compute(logits, sampled, requests)
         tokens = self.host_token_buffers.start_copy(sampled) if read_later else SampledTokens(sampled, sampled, None)
         queue_seconds = time.perf_counter() - began
@@ -144,10 +151,23 @@ class ModelRunner:
     def follow(self, plan: SchedulerOutput) -> None:
         """A rank other than the driver: execute a plan received from it (``rank_plan.planned``,
         whole block tables restored by ``PlanChannel.receive``) over this rank's shard, its
-        logits only joining the driver's (the driver samples)."""
-        logits, _, _, _ = self._forward(plan)
-        if logits is not None:
-            if self.device.type == "cuda":  # the iteration's stream: not a host batch in flight beside it
+        logits only joining the driver's (the driver samples; with ``share_samples`` its samples
+        arrive here for the next plan's unresolved tokens).
+
+        An iteration that touches the host pool (``SchedulerOutput.touches_host_pool``) is waited
+        for (its stream only, not a host batch beside it) and its host failure raised before the
+        next message is taken: a host batch reads what it wrote there, and its host work's
+        buffers and failure flag serve the next iteration too (the driver, likewise, reads such
+        an iteration's tokens before it plans on). Any other iteration is not waited for: the
+        next plan is built while it runs, as on the driver."""
+        logits, requests, _, _ = self._forward(plan, self._followed_samples)
+        if logits is None:
+            return
+        if self.share_samples:
+            samples = torch.empty(len(requests), dtype=torch.int64, device=self.device)
+            self._followed_samples = PreviousTokens(self.model.parallel.broadcast_from_driver(samples), requests)
+        if plan.touches_host_pool:
+            if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.executor.raise_host_failure()
 

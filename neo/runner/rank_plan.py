@@ -7,7 +7,9 @@ order. Every rank's runner then builds the same inputs, walks the same stage ord
 shard and KV heads, and meets the others in the model's collectives in the same order. Block
 tables are the same on every rank (one block manager), so the pools of all ranks hold the same
 number of blocks. Sampling stays on the driver: the sampled tokens reach the other ranks as the
-next plan's decode inputs.
+next plan's decode inputs, or, under async scheduling, where the next plan was made before they
+were read (``UNRESOLVED_TOKEN``), by a broadcast on the device after every iteration
+(``ModelRunner`` with ``share_samples``).
 
 Block tables travel incrementally: the other ranks keep each request's table by request id
 (``HeldTables``), and the driver (``SentTables``) sends a request's whole table the first time

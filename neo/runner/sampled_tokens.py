@@ -68,17 +68,18 @@ class SampledTokens:
 class PreviousTokens:
     """The samples of the iteration launched before the one being built: ``tokens`` int64 ``[N]``
     on the compute device, ``requests`` in its row order. A request whose newest token is
-    unresolved takes it from here."""
+    unresolved takes it from here. Rows are found by request id, so that a tensor-parallel rank
+    that follows, whose requests are new objects in every plan it receives, finds them too."""
 
     tokens: torch.Tensor
     requests: list[Request]
 
     def __post_init__(self):
-        self._rows = {id(request): row for row, request in enumerate(self.requests)}
+        self._rows = {request.request_id: row for row, request in enumerate(self.requests)}
 
     def row_of(self, request: Request) -> int:
         """The row of ``request``'s token; raises if the iteration did not sample one for it."""
-        row = self._rows.get(id(request))
+        row = self._rows.get(request.request_id)
         if row is None:
             raise RuntimeError(f"{request} waits for a token that the previous iteration did not sample")
         return row

@@ -87,6 +87,12 @@ class SchedulerOutput:
             request.location is KVLocation.GPU and not request.sampling_params.uses_penalties
             and request.sampling_params.logprobs is None for request in self.requests)
 
+    @property
+    def touches_host_pool(self) -> bool:
+        """Whether the plan's device work reads or writes the host pool: host decodes, prefills
+        whose KV goes there, or swaps."""
+        return self.has_swaps or any(request.location is not KVLocation.GPU for request in self.requests)
+
     def drop_finished(self) -> None:
         """Take out the decodes of requests that ended after the plan was made (async
         scheduling: the tokens of the iteration before were read only then, and the blocks of
