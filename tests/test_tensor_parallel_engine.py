@@ -196,6 +196,32 @@ def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported):
         llm.close()
 
 
+def test_a_failed_host_batch_stops_every_rank_at_once():
+    """A host batch that fails on the driver (here: its result, once collected) ends the
+    engine's ranks at once rather than at the next collective's timeout: the ranks may no longer
+    be in step."""
+    llm = LLM("neo-tiny", **engine_options(2, policy="neo", host_pipeline="async"))
+    worker = llm.engine.rank_workers.processes[0]
+    runner = llm.engine.runner
+    collect = runner.collect_host_batch
+
+    def failing_collect(wait_seconds):
+        if collect(wait_seconds) is not None:
+            raise RuntimeError("host decode attention failed: a fault")
+        return None
+
+    runner.collect_host_batch = failing_collect
+    try:
+        reported = "the tensor-parallel ranks stopped working together: RuntimeError: host decode attention failed"
+        with pytest.raises(RuntimeError, match=reported):
+            greedy_tokens(llm)
+        assert not process_exists(worker.pid)
+        with pytest.raises(RuntimeError, match=reported):  # every later call too
+            llm.generate(PROMPTS[:1], PARAMS)
+    finally:
+        llm.close()
+
+
 def test_a_driver_that_exits_without_closing_leaves_no_worker(tmp_path):
     script = textwrap.dedent(f"""
         from neo import LLM, SamplingParams

@@ -315,6 +315,11 @@ class LLMEngine:
         try:
             host_batch = self.runner.collect_host_batch(wait_seconds)
         except BaseException as error:
+            if self.rank_workers is not None and isinstance(error, Exception):
+                # Every rank stops now: a failure while the driver queued the batch's parts can
+                # leave the ranks' collectives out of step, and a failed host attention fails the
+                # other ranks at their next batch anyway.
+                error = self.rank_workers.failure(error)
             failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed")
             if not isinstance(error, Exception):  # the plan's tokens would not be appended
                 self._fail(plan.affected_requests, error, "the engine was interrupted")
