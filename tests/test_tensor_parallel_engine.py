@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import neo.engine.build
 from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
@@ -218,6 +219,29 @@ def test_a_failed_host_batch_stops_every_rank_at_once():
         assert not process_exists(worker.pid)
         with pytest.raises(RuntimeError, match=reported):  # every later call too
             llm.generate(PROMPTS[:1], PARAMS)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("host_pipeline", ["lockstep", "async"])
+def test_host_work_that_failed_on_another_rank_yields_no_token(host_pipeline):
+    """A host function that fails on a CUDA rank records its failure while the rank's collectives
+    run on; every rank then max-reduces its failure flag after the work, and the driver discards
+    its tokens when the flag is set. Here the driver's own flag is set while its host work
+    succeeds, as the reduction would be after another rank's failure: the driver must raise
+    rather than return the tokens, and every rank stops."""
+    llm = LLM("neo-tiny", **engine_options(2, policy="neo", host_pipeline=host_pipeline))
+    worker = llm.engine.rank_workers.processes[0]
+    runner = llm.engine.runner
+    executor = runner.host_batches.executor if host_pipeline == "async" else runner.executor
+    executor.host_failure_flag = lambda: torch.ones(1, dtype=torch.uint8)
+    try:
+        reported = ("the tensor-parallel ranks stopped working together: RuntimeError: "
+                    "host decode attention failed on another tensor-parallel rank")
+        with pytest.raises(RuntimeError, match=reported):
+            greedy_tokens(llm)
+        assert llm.engine.metrics.host_decode_tokens == 0  # no host decode's token was taken
+        assert not process_exists(worker.pid)
     finally:
         llm.close()
 

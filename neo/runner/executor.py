@@ -251,6 +251,15 @@ class PipelineExecutor:
         events, self._wait_events = self._wait_events, []
         return events
 
+    def host_failure_flag(self) -> torch.Tensor:
+        """uint8 ``[1]`` on the compute device, queued on the current stream behind the host
+        work queued before it: nonzero when the last iteration's host work failed. Under tensor
+        parallelism the ranks max-reduce it, so that the driver learns of another rank's failure
+        with its own tokens (``ModelRunner``, ``HostBatchRunner``)."""
+        if self.hand_off is None:
+            return torch.zeros(1, dtype=torch.uint8, device=self.device)
+        return self.hand_off.failure_flag(self.device)
+
     def raise_host_failure(self) -> None:
         """Raise what failed in the last iteration's host work (after the device synced)."""
         if self.hand_off is not None:

@@ -115,7 +115,8 @@ class StreamOrderedHandOff:
     def __init__(self, kernels: HostKernels, buffers: list[HostRowBuffers], copy_stream: torch.cuda.Stream,
                  scale: float, num_threads: int, num_layers: int):
         self.buffers = buffers
-        self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8)
+        # Page-locked: ``failure_flag`` copies its first byte to the device in stream order.
+        self.failure = torch.zeros(FAILURE_MESSAGE_BYTES, dtype=torch.uint8, pin_memory=True)
         self.seconds = torch.zeros(1, dtype=torch.float64)  # host functions' time this iteration
         stream = copy_stream
         self.stages = [torch.classes.neo_pipeline.HostDecodeStage(
@@ -144,6 +145,11 @@ class StreamOrderedHandOff:
 
     def host_seconds(self) -> float:
         return float(self.seconds[0])
+
+    def failure_flag(self, device: torch.device) -> torch.Tensor:
+        """uint8 ``[1]`` on ``device``, copied on the current stream behind the host functions
+        queued before it: nonzero when one of them failed."""
+        return self.failure[:1].to(device, non_blocking=True)
 
     def raise_failure(self) -> None:
         if self.failure[0]:
@@ -216,6 +222,11 @@ class WorkerHandOff:
 
     def host_seconds(self) -> float:
         return self.worker.take_busy_seconds()
+
+    @staticmethod
+    def failure_flag(device: torch.device) -> torch.Tensor:
+        """Zero: a failure in a task is raised by ``finish`` already."""
+        return torch.zeros(1, dtype=torch.uint8, device=device)
 
     def raise_failure(self) -> None:
         """A failure in a task is raised by ``finish`` already."""

@@ -71,6 +71,7 @@ from neo.sched.stage_order import HOST_BATCH
 from .batch_inputs import build_batch_inputs
 from .executor import LayerPartWalk, PipelineExecutor, layer_parts
 from .host_attention import HostKernels
+from .host_failures import raise_other_rank_failure, reduce_host_failures
 from .host_worker import HostAttentionWorker
 from .logits_processors import process_logits
 from .pipeline_graphs import PartReplay, PipelineGraphs
@@ -131,6 +132,7 @@ class _InFlight:
     logprobs: TokenLogprobs | None = None  # on the device until ``done`` has passed
     wait_seconds: float = 0.0  # spent in ``collect`` waiting for it
     failure: Exception | None = None  # raised queuing a later part: the batch is over
+    host_failures: torch.Tensor | None = None  # the ranks' host failure flags, above one rank
 
 
 class HostBatchRunner:
@@ -231,6 +233,7 @@ class HostBatchRunner:
             while walk.queued < count:
                 walk.queue_next()
             if walk.all_queued:
+                reduce_host_failures(self.model, self.executor)
                 walk.logits()
         if walk.all_queued and not self.asynchronous:  # it ran to completion here
             self._end_following()
@@ -292,6 +295,7 @@ class HostBatchRunner:
         if flight.done is not None:
             flight.done.synchronize()
         self.executor.raise_host_failure()
+        raise_other_rank_failure(flight.host_failures)
         if flight.logprobs is not None:
             flight.logprobs.record(flight.requests)
         if flight.started is not None and flight.ended is not None:
@@ -332,6 +336,7 @@ class HostBatchRunner:
         self.part_launches += due
         if walk.all_queued:
             flight.parts = None
+            flight.host_failures = reduce_host_failures(self.model, self.executor)
             self._queue_sampling(flight, walk.logits())
 
     def _queue_sampling(self, flight: _InFlight, logits: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from .batch_inputs import build_batch_inputs
 from .decode_graphs import DecodeGraphs
 from .executor import IterationTiming, PipelineExecutor
 from .host_batches import HostBatchRunner
+from .host_failures import raise_other_rank_failure, reduce_host_failures
 from .logits_processors import process_logits
 from .pipeline_graphs import PipelineGraphs
 from .rank_plan import PlanChannel
@@ -36,7 +37,9 @@ class LaunchedIteration:
     """An iteration whose device work is queued (``ModelRunner.launch``); ``tokens`` None when it
     had no sub-batch. ``requests`` in logit-row order (``plan.requests`` order); ``began`` and
     ``queue_seconds``: when the launch began and how long queuing took; ``timing``: the
-    executor's events, for its GPU busy time (None when a decode graph replayed)."""
+    executor's events, for its GPU busy time (None when a decode graph replayed);
+    ``host_failures``: the ranks' host failure flags (``reduce_host_failures``), where it
+    touched the host pool above one rank."""
 
     requests: list
     tokens: SampledTokens | None
@@ -46,6 +49,7 @@ class LaunchedIteration:
     decode_graph: bool
     replayed: bool
     timing: IterationTiming | None
+    host_failures: torch.Tensor | None = None
 
     def previous_tokens(self) -> PreviousTokens | None:
         """Its samples, as the next iteration's ``previous``."""
@@ -118,6 +122,7 @@ class ModelRunner:
             if on_launched is not None:
                 on_launched()
             return LaunchedIteration([], None, None, began, time.perf_counter() - began, False, False, None)
+        host_failures = reduce_host_failures(self.model, self.executor) if plan.touches_host_pool else None
         sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
                                [r.generator for r in requests])
         if self.share_samples:  # every rank calls this in the same order: the profiler's samples too
@@ -129,7 +134,7 @@ class ModelRunner:
             on_launched()
         # A decode graph replays no executor work: no GPU busy time measured.
         return LaunchedIteration(requests, tokens, logprobs, began, queue_seconds, decode_graph, replayed,
-                                 None if decode_graph else self.executor.timing())
+                                 None if decode_graph else self.executor.timing(), host_failures)
 
     def collect(self, launched: LaunchedIteration) -> IterationOutput:
         """Wait for a launched iteration's tokens (not for work queued after them); returns them
@@ -139,6 +144,7 @@ class ModelRunner:
             return IterationOutput([], elapsed, 0.0, elapsed)
         tokens = launched.tokens.tolist()
         self.executor.raise_host_failure()
+        raise_other_rank_failure(launched.host_failures)
         if launched.logprobs is not None:
             launched.logprobs.record(launched.requests)
         return IterationOutput(tokens, time.perf_counter() - launched.began,
@@ -163,6 +169,8 @@ class ModelRunner:
         logits, requests, _, _ = self._forward(plan, self._followed_samples)
         if logits is None:
             return
+        if plan.touches_host_pool:
+            reduce_host_failures(self.model, self.executor)
         if self.share_samples:
             samples = torch.empty(len(requests), dtype=torch.int64, device=self.device)
             self._followed_samples = PreviousTokens(self.model.parallel.broadcast_from_driver(samples), requests)
