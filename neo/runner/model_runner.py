@@ -122,7 +122,9 @@ class ModelRunner:
             if on_launched is not None:
                 on_launched()
             return LaunchedIteration([], None, None, began, time.perf_counter() - began, False, False, None)
-        host_failures = reduce_host_failures(self.model, self.executor) if plan.touches_host_pool else None
+        host_failures = None
+        if self.model.parallel.size > 1 and plan.touches_host_pool:  # one rank: no look at the requests
+            host_failures = reduce_host_failures(self.model, self.executor)
         sampled = self.sampler(process_logits(logits, requests), [r.sampling_params for r in requests],
                                [r.generator for r in requests])
         if self.share_samples:  # every rank calls this in the same order: the profiler's samples too
@@ -169,12 +171,13 @@ class ModelRunner:
         logits, requests, _, _ = self._forward(plan, self._followed_samples)
         if logits is None:
             return
-        if plan.touches_host_pool:
+        touches_host_pool = plan.touches_host_pool
+        if touches_host_pool:
             reduce_host_failures(self.model, self.executor)
         if self.share_samples:
             samples = torch.empty(len(requests), dtype=torch.int64, device=self.device)
             self._followed_samples = PreviousTokens(self.model.parallel.broadcast_from_driver(samples), requests)
-        if plan.touches_host_pool:
+        if touches_host_pool:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.executor.raise_host_failure()
