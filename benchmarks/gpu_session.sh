@@ -194,7 +194,7 @@ stage_tp_scaling() {  # one rank; two eager, with the decode graphs across ranks
 }
 
 stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead); the rank tests
-  run tp-tests timeout -k 10 400 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel_cuda.py \
+  run tp-tests timeout -k 10 500 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel_cuda.py \
     tests/test_tensor_parallel_engine.py --junitxml="$out/files/tp-tests.xml"
 }
 
