@@ -230,7 +230,9 @@ class Profiler:
         host_context_points, graph_points = points["host context"], points["graph batch"]
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
                  + len(request_points) * len(host_context_points) + 3 + len(graph_points))
-        with tqdm(total=steps, desc="profiling stage times", unit="point") as progress:
+        # One progress bar: the driver's (the other ranks measure the same points in lockstep).
+        with tqdm(total=steps, desc="profiling stage times", unit="point",
+                  disable=self.model.parallel.rank != 0) as progress:
             for tokens in token_points:
                 table.linear_tokens.append(tokens)
                 table.linear_seconds.append(self._time(lambda: self._linear(tokens)))
