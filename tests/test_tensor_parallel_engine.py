@@ -182,8 +182,9 @@ def test_two_ranks_give_the_greedy_tokens_of_one_under_gpu_only(one_rank_tokens)
     (signal.SIGINT, "tensor-parallel rank 1 failed: KeyboardInterrupt"),
     (signal.SIGKILL, "the tensor-parallel ranks stopped working together: neo-rank-1 ended")],
     ids=["interrupted", "killed"])
-def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported):
-    llm = LLM("neo-tiny", **engine_options(2))
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["synchronous", "ahead"])
+def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported, async_scheduling):
+    llm = LLM("neo-tiny", **engine_options(2, async_scheduling=async_scheduling))
     worker = llm.engine.rank_workers.processes[0]
     try:
         assert len(greedy_tokens(llm)) == len(PROMPTS)

@@ -298,8 +298,7 @@ class LLMEngine:
         try:
             self.runner.launch_host_batch(plan.host_batch)
         except BaseException as error:
-            if self.rank_workers is not None and isinstance(error, Exception):
-                error = self.rank_workers.failure(error)
+            error = self._as_rank_failure(error)
             failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed to launch")
             if not isinstance(error, Exception):
                 self._fail(plan.affected_requests, error, "the engine was interrupted")
@@ -315,11 +314,10 @@ class LLMEngine:
         try:
             host_batch = self.runner.collect_host_batch(wait_seconds)
         except BaseException as error:
-            if self.rank_workers is not None and isinstance(error, Exception):
-                # Every rank stops now: a failure while the driver queued the batch's parts can
-                # leave the ranks' collectives out of step, and a failed host attention fails the
-                # other ranks at their next batch anyway.
-                error = self.rank_workers.failure(error)
+            # Every rank stops now: a failure while the driver queued the batch's parts can leave
+            # the ranks' collectives out of step, and a failed host attention fails the other
+            # ranks at their next batch anyway.
+            error = self._as_rank_failure(error)
             failed += self._fail(self.scheduler.fail_host_batch(), error, "its host batch failed")
             if not isinstance(error, Exception):  # the plan's tokens would not be appended
                 self._fail(plan.affected_requests, error, "the engine was interrupted")
@@ -388,7 +386,7 @@ class LLMEngine:
         try:
             return self.runner.launch(plan, on_launched, previous, read_later=True), None
         except BaseException as error:
-            return None, error
+            return None, self._as_rank_failure(error)
 
     def _settle(self, failed: list[Request]) -> list[Request]:
         """Read the tokens of the iteration in flight and update the scheduler with them;
@@ -398,6 +396,7 @@ class LLMEngine:
         try:
             output = self.runner.collect(flight.launched)
         except BaseException as error:
+            error = self._as_rank_failure(error)
             failed += self._fail(flight.plan.affected_requests, error, "its iteration failed")
             if not isinstance(error, Exception):
                 raise
@@ -430,8 +429,7 @@ class LLMEngine:
         try:
             output = self.runner.execute(plan, on_launched)
         except BaseException as error:
-            if self.rank_workers is not None and isinstance(error, Exception):
-                error = self.rank_workers.failure(error)
+            error = self._as_rank_failure(error)
             failed += self._fail(plan.affected_requests, error, "its iteration failed")
             if not isinstance(error, Exception):
                 raise
@@ -441,6 +439,14 @@ class LLMEngine:
         if self.trace is not None:
             self._record(plan, output, schedule_seconds, launch_seconds, segments_freed)
         return output
+
+    def _as_rank_failure(self, error: BaseException) -> BaseException:
+        """Under tensor parallelism, an ``Exception`` from the driver's work is the ranks' failure
+        (``RankWorkers.failure``: it names a worker that failed and stops the others, and every
+        later step raises it); otherwise ``error`` itself."""
+        if self.rank_workers is not None and isinstance(error, Exception):
+            return self.rank_workers.failure(error)
+        return error
 
     def _fail(self, requests: list[Request], error: BaseException, what: str) -> list[Request]:
         """Work on ``requests`` raised ``error``: wait until no queued work touches their
