@@ -8,10 +8,10 @@ Scenarios (dummy weights, bf16; see ``SCENARIOS``):
 - ``8b-full``: Llama-3.1-8B with the whole GPU, the Azure code trace and synthetic 1000/300;
 - ``32b-threads``: the 32B memory-poor setting with 4, 8 and 15 host attention threads;
 - ``70b-tp2``: Llama-3.1-70B shapes on two GPUs (tensor parallelism), the GPU pools what the
-  weights leave of 95% of each GPU (an 80 GB H100 keeps 9.5 GiB beside 65.7 GiB of weights: at
-  the engine's default 90% the pool would get 0.3 GiB), a 40 GiB host pool per rank, synthetic 1000/300 and the Azure code trace (set
-  the multi-GPU machine's variables, e.g. ``NCCL_NVLS_ENABLE=0``, in the environment: the ranks
-  inherit it).
+  weights leave of 95% of each GPU (the engine's default 90% leaves an 80 GB GPU almost no pool
+  beside 70B's weights), a 40 GiB host pool per rank, synthetic 1000/300 and the Azure code
+  trace (set the multi-GPU machine's variables, e.g. ``NCCL_NVLS_ENABLE=0``, in the
+  environment: the ranks inherit it).
 
 Each run submits all requests at once and reports the end-to-end throughput to completion and
 the steady window's (``neo.bench``), each also as a ratio to gpu-only's; runs can be capped in
@@ -65,7 +65,8 @@ SCENARIOS = {
     "8b-full": dict(model="llama-3.1-8b", gpu_kv_cache_gib=None, cpu_kv_cache_gib=64.0, max_model_len=8192,
                     workloads=["azure-code", "synthetic:input=1000,output=300"]),
     "70b-tp2": dict(model="llama-3.1-70b", gpu_kv_cache_gib=None, gpu_memory_utilization=0.95,
-                    cpu_kv_cache_gib=40.0, max_model_len=4096, tensor_parallel_size=2, workloads=["synthetic:input=1000,output=300", "azure-code"]),
+                    cpu_kv_cache_gib=40.0, max_model_len=4096, tensor_parallel_size=2,
+                    workloads=["synthetic:input=1000,output=300", "azure-code"]),
     "32b-threads": dict(model="qwen2.5-32b", gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0,
                         workloads=["synthetic:input=500,output=500"], threads=(4, 8, 15),
                         policies=("gpu-only", "neo")),

@@ -184,7 +184,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     asynchronous = offloading and config.host_pipeline in ("async", "auto")
     lockstep = not offloading or config.host_pipeline in ("lockstep", "auto")
     graph_context = None
-    if device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1 and not config.tensor_parallel_cuda_graphs:
+    if (device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1
+            and not config.tensor_parallel_cuda_graphs):
         logger.warning("CUDA graphs are off: tensor_parallel_size %d runs every iteration eagerly "
                        "(tensor_parallel_cuda_graphs captures the decode graphs)", parallel.size)
     elif device.type == "cuda" and config.use_cuda_graphs:

@@ -23,8 +23,8 @@ Messages are ``(kind, payload)``: ``("execute", planned(plan))`` before an itera
 launched, ``("parts", count)`` before the driver queues more of that batch's layer parts (the
 first ``count`` then: the others queue theirs up to it), ``("profile", None)`` before the driver
 profiles stage times (every rank then runs its own profiler in lockstep: the model's collectives
-join their measurements); ``None`` tells the others to stop. On the wire, "execute" and "launch" carry a third element, the ids of the
-finished requests. The channel is a gloo group of its own (``PlanChannel``):
+join their measurements); ``None`` tells the others to stop. On the wire, "execute" and
+"launch" carry a third element, the ids of the finished requests. The channel is a gloo group of its own (``PlanChannel``):
 ``broadcast_object_list`` pickles the message on rank 0 and unpickles it on the others.
 """
 
