@@ -22,11 +22,12 @@
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...,
 #                --gpu-kv-cache-gib 4 for the pool an 80 GB H100 leaves 70B on a larger GPU,
 #                --tensor-parallel-cuda-graphs --async-scheduling)
-#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly, with the decode
-#                graphs captured across ranks (synchronous scheduling), and with those graphs and
-#                async scheduling
+#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly, with the graphs
+#                captured across ranks (synchronous scheduling), and with those graphs and async
+#                scheduling (TP_SCALING_RUNS picks runs: RANKS[-graphs][-ahead], e.g. "1-ahead
+#                2-graphs-ahead"; one rank always replays graphs)
 #   tp-tests     two GPUs: greedy tokens of two ranks against one (eager, graphs, graphs with async
-#                scheduling), the rank tests
+#                scheduling; gpu-only, neo async and lockstep); the CPU rank tests run in CI
 #   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
 #   tp-smoke     two GPUs: Llama-3.1-8B under neo with host batches (perf model zero, a small GPU
 #                pool, so most decodes run on the host), 64 requests, capped at 120 s: the async
@@ -179,12 +180,12 @@ stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
 stage_offload_70b_tp2() { offload 70b-tp2 ${OFFLOAD_ARGS:-}; }
 
-stage_tp_scaling() {  # one rank; two eager, with the decode graphs across ranks, and those with async scheduling
+stage_tp_scaling() {  # TP_SCALING_RUNS: RANKS[-graphs][-ahead] (graphs across ranks; async scheduling)
   local run_name options
-  for run_name in 1 2 2-graphs 2-graphs-ahead; do
+  for run_name in ${TP_SCALING_RUNS:-1 2 2-graphs 2-graphs-ahead}; do
     options="--tensor-parallel-size ${run_name%%-*}"
-    [ "$run_name" != 1 ] && [ "$run_name" != 2 ] && options="$options --tensor-parallel-cuda-graphs"
-    if [ "$run_name" = 2-graphs-ahead ]; then options="$options --async-scheduling"
+    [[ $run_name == *-graphs* ]] && options="$options --tensor-parallel-cuda-graphs"
+    if [[ $run_name == *-ahead ]]; then options="$options --async-scheduling"
     else options="$options --no-async-scheduling"; fi
     run "tp-scaling-$run_name" timeout -k 10 $((seconds + 240)) neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --max-model-len 8192 --workload synthetic:input=1000,output=300 \
@@ -193,9 +194,9 @@ stage_tp_scaling() {  # one rank; two eager, with the decode graphs across ranks
   done
 }
 
-stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead); the rank tests
+stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead)
   run tp-tests timeout -k 10 500 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel_cuda.py \
-    tests/test_tensor_parallel_engine.py --junitxml="$out/files/tp-tests.xml"
+    --junitxml="$out/files/tp-tests.xml"
 }
 
 stage_parts_tests() {  # host batches in parts, async scheduling and the engine on one GPU

@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="GPUs (ranks) per engine; default: the scenario's, else 1")
     parser.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
-                        help="above one rank, capture the decode CUDA graphs with the collectives inside")
+                        help="above one rank, capture the CUDA graphs with the collectives inside")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each iteration before the previous one's tokens are read (default: the "
                              "engine's, on for one CUDA rank only)")

@@ -100,8 +100,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false",
                        help="run every iteration eagerly (no CUDA graph replays)")
     group.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
-                       help="above one rank, capture the decode CUDA graphs with the collectives inside "
-                            "(default: those ranks run every iteration eagerly)")
+                       help="above one rank, capture the CUDA graphs (decode, pipeline, host batch) with the "
+                            "collectives inside (default: those ranks run every iteration eagerly)")
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
                        help="async: host decodes as their own batch beside the GPU's iterations; "
                             "lockstep: host decodes in each iteration's two sub-batches; "

@@ -36,11 +36,11 @@ class EngineConfig:
     trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
         at most ``cuda_graph_max_context`` tokens.
-    tensor_parallel_cuda_graphs: with ``tensor_parallel_size`` > 1 on GPUs, capture the decode
-        CUDA graphs (start-up, every rank alike) with the model's collectives inside them; off by
-        default until measured. The pipeline and host-batch graphs stay off above one rank:
-        they are captured while serving, and a capture that failed on one rank only would leave
-        the ranks replaying different work.
+    tensor_parallel_cuda_graphs: with ``tensor_parallel_size`` > 1 on GPUs, capture the CUDA
+        graphs with the model's collectives inside them, every rank alike: the decode graphs at
+        start-up, the pipeline and host-batch graphs on a shape's first plan. A capture that
+        fails on a rank stops the engine with an error naming this option (one rank replaying
+        while another runs eagerly would mix captured and eager collectives). Off by default.
     host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
         "async" (host decodes run as their own batch on a stream of their own, which spans as
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two

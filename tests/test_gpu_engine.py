@@ -77,6 +77,7 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
     assert metrics["host_decode_tokens"] > 0
     if SETTINGS[setting].get("host_pipeline") == "async":
         assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
+        assert (metrics["graph_host_batches"] > 0) == cuda_graphs
         if cuda_graphs:  # host batches replayed pipeline graphs of one sub-batch
             assert captured and all(order == "host-batch" and len(shape) == 1 for order, shape in captured)
         if setting == "neo-async":  # GPU decodes replayed decode graphs meanwhile

@@ -187,7 +187,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     if (device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1
             and not config.tensor_parallel_cuda_graphs):
         logger.warning("CUDA graphs are off: tensor_parallel_size %d runs every iteration eagerly "
-                       "(tensor_parallel_cuda_graphs captures the decode graphs)", parallel.size)
+                       "(tensor_parallel_cuda_graphs captures the graphs across ranks)", parallel.size)
     elif device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
         python_ops = ops_without_native_kernel("cuda")
@@ -205,15 +205,14 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         with startup.phase("decode CUDA graphs"):
             decode_graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, graph_context, device)
         startup.note("decode CUDA graphs", f"{len(decode_graphs.sizes)} batch sizes")
-        if executor.stream_ordered_host_work and lockstep and parallel.size == 1:
+        if executor.stream_ordered_host_work and lockstep:
             with startup.phase("host pipeline"):
                 pipeline_graphs = PipelineGraphs(model, executor, config.max_num_seqs, graph_context,
                                                  config.block_size, device)
     if asynchronous:
         with startup.phase("host pipeline"):
             host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
-                                           max_blocks_per_sequence, graph_context if parallel.size == 1 else None,
-                                           pad_rows)
+                                           max_blocks_per_sequence, graph_context, pad_rows)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
                          pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs,
                          share_samples=parallel.size > 1 and config.schedules_ahead)

@@ -580,6 +580,7 @@ class LLMEngine:
 
     def _count_host_batch(self, result: HostBatchOutput, flight: InFlightHostBatch) -> None:
         self.metrics.host_batches += 1
+        self.metrics.graph_host_batches += result.replayed_graph
         self.metrics.host_decode_tokens += len(result.requests)
         if self.trace is not None:
             self.trace.add(IterationRecord(

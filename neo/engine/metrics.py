@@ -12,6 +12,7 @@ class EngineMetrics:
     two_batch_iterations: int = 0
     graph_iterations: int = 0  # replayed from a captured CUDA graph
     host_batches: int = 0  # host batches of the async host pipeline completed
+    graph_host_batches: int = 0  # of those, replayed from captured CUDA graphs
     prefill_tokens: int = 0
     gpu_decode_tokens: int = 0
     host_decode_tokens: int = 0

@@ -41,7 +41,7 @@ never waits on the driver. A model of at most ``layers_per_part`` layers has one
 tokens are copied to pinned memory behind an event that ``collect`` polls; the batch's
 ``started``/``ended`` timing events bracket all its parts.
 
-A batch with no graph (contexts beyond the graphs' limit, tensor parallelism, or no CUDA) is
+A batch with no graph (contexts beyond the graphs' limit, graphs off, or no CUDA) is
 walked eagerly in the same parts (``EagerParts``: the executor's ``forward_layers`` over each
 part's layers), queued by the same rule, so an eager launch holds the engine's thread no longer
 than a replayed one. Where host work cannot be ordered on streams (no CUDA, or CPU kernels

@@ -255,14 +255,20 @@ class ModelRunner:
         return self.host_batches.collect(wait_seconds)
 
     def release_graphs(self) -> None:
-        """Free the decode graphs once the last iteration has completed (the runner executes
-        nothing after this): a rank must, before it leaves its tensor-parallel group, since those
-        graphs hold the model's collectives (``DecodeGraphs.release``). No device-wide wait here:
-        after a rank failed, a collective on the stream may never complete. The pipeline and
-        host-batch graphs are captured on one rank only and hold none; they go with the runner."""
+        """Free the decode, pipeline and host-batch graphs once the last iteration has completed
+        (the runner executes nothing after this): a rank must, before it leaves its
+        tensor-parallel group, since those graphs hold the model's collectives
+        (``DecodeGraphs.release``). No device-wide wait here: after a rank failed, a collective
+        on the stream may never complete."""
         if self.decode_graphs is not None:
             self.decode_graphs.release()
             self.decode_graphs = None
+        if self.pipeline_graphs is not None:
+            self.pipeline_graphs.release()
+            self.pipeline_graphs = None
+        if self.host_batches is not None and self.host_batches.graphs is not None:
+            self.host_batches.graphs.release()
+            self.host_batches.graphs = None
 
     def swap(self, plan: SchedulerOutput) -> None:
         swap_out, swap_in = block_pairs(plan.swap_out), block_pairs(plan.swap_in)

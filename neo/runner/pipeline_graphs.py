@@ -20,8 +20,13 @@ Padding GPU rows decode a dummy token (slot -1: nothing stored; length 1 against
 ``DecodeGraphs``; padding host rows go through the GPU stages and the copies, but the host
 functions attend only over the real rows, so they cost the host nothing. Logits of the real
 rows are computed after the replay. Graphs are captured on the first iteration of a shape and
-at most ``capacity`` shapes are kept (the least recently used is dropped). A capture that fails
-turns the graphs off with a warning; iterations then run eagerly.
+at most ``capacity`` shapes are kept (the least recently used is dropped). On one rank a capture
+that fails turns the graphs off with a warning; iterations then run eagerly. Under tensor
+parallelism the graphs hold the model's collectives, every rank captures the same shape at the
+same plan, and a capture that fails is raised instead: one rank falling back to eager work while
+the others replay would put captured and eager collectives of one plan on one communicator. The
+rank's failure stops every rank (``neo.engine.rank_workers``); ``release`` frees the graphs
+before a rank leaves its group.
 
 Parts: the layers may be captured as consecutive parts (``parts``, from
 ``neo.runner.executor.layer_parts``), one graph per (order, shape, part), all captured in part
@@ -163,6 +168,15 @@ class PipelineGraphs:
         self.capture_stream = torch.cuda.Stream(device)  # see ``neo.cuda_graphs``: a workspace of its own
         self.enabled = True
 
+    def release(self) -> None:
+        """Free every capture and turn the graphs off, after their last replay (a rank must,
+        before it leaves its tensor-parallel group: ``DecodeGraphs.release``)."""
+        for capture in self.captures.values():
+            for graph in capture.graphs:
+                graph.reset()
+        self.captures.clear()
+        self.enabled = False
+
     def shape(self, batches: list[BatchInputs]) -> tuple[tuple[int, int], ...] | None:
         """The padded ``((G, C), ...)`` a plan's sub-batches replay with; None when the plan is
         not a decode-only iteration with host decodes within the captured limits. (Swaps are
@@ -225,6 +239,10 @@ class PipelineGraphs:
                 graphs.append(graph)
                 boundaries.append(states)
         except RuntimeError as error:
+            if self.model.parallel.size > 1:
+                raise RuntimeError(f"capturing the pipelined decode iteration {shape} as CUDA graphs failed on "
+                                   f"tensor-parallel rank {self.model.parallel.rank} ({error}); run with "
+                                   f"tensor_parallel_cuda_graphs off") from error
             self.enabled = False
             self.captures.clear()
             logger.warning("capturing the pipelined decode iteration %s as CUDA graphs failed (%s): "

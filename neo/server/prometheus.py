@@ -20,6 +20,7 @@ COUNTER_HELP = {
     "two_batch_iterations": "Iterations that ran two sub-batches (asymmetric pipeline).",
     "graph_iterations": "Iterations replayed from a captured CUDA graph.",
     "host_batches": "Host decode batches of the async host pipeline completed.",
+    "graph_host_batches": "Host decode batches replayed from captured CUDA graphs.",
     "prefill_tokens": "Prompt tokens prefilled.",
     "gpu_decode_tokens": "Decode tokens whose attention ran on the compute device.",
     "host_decode_tokens": "Decode tokens whose attention ran on the host CPU.",
