@@ -215,7 +215,7 @@ stage_online_70b_tp2() {
   server_packages || { failures+=(online-70b-tp2); return; }
   run online-70b-tp2 python3 benchmarks/online.py --output-dir "$out/files" --tag 70b-tp2 \
     --policies "${ONLINE_70B_POLICIES:-gpu-only,neo}" --workload synthetic:input=1000,output=300 \
-    ${ONLINE_70B_ARGS:---rates 1,2 --duration-per-rate 40 --drain-timeout 60 --goodput ttft:3000 tpot:150} -- \
+    ${ONLINE_70B_ARGS:---rates 1,2,3 --duration-per-rate 40 --drain-timeout 60 --goodput ttft:3000 tpot:150} -- \
     --model llama-3.1-70b --load-format dummy --dtype bfloat16 --max-model-len 4096 --tensor-parallel-size 2 \
     --gpu-memory-utilization 0.95 --cpu-kv-cache-gib "${CPU_KV_CACHE_GIB:-40}" ${ONLINE_70B_ENGINE_ARGS:-}
 }

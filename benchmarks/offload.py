@@ -189,7 +189,7 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                                                duration=duration, show_progress=True)
                 records = [dataclasses.asdict(r) for r in engine.trace.records] if engine.trace else []
                 result["trace"] = trace_statistics(records)
-                interference = getattr(engine.scheduler, "interference", None)  # async host pipeline
+                interference = getattr(engine.scheduler.placement, "interference", None)  # async host pipeline
                 result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
                 layout = engine.kv_cache.layout
                 result["host_side"] = host_side(records, layout.block_bytes // layout.block_size)

@@ -17,10 +17,11 @@ from neo.sampling_params import SamplingParams
 from neo.sched.arrivals import ArrivingWork
 from neo.sched.calibration import HostBatchInterference
 from neo.sched.perf_model import PerfModel
+from neo.sched.runner_output import HostBatchOutput
 from neo.sched.scheduler import Scheduler
 from neo.sched.scheduler_output import SchedulerOutput
 
-from scheduler_harness import execute, random_scheduler, requests_of, synthetic_model
+from scheduler_harness import TOKEN, execute, random_scheduler, requests_of, synthetic_model
 from scheduler_harness import make_scheduler as make_any_scheduler
 from test_block_manager import check_pools
 
@@ -299,3 +300,26 @@ def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, g
     assert scheduler.block_manager.num_free(GPU) == scheduler.block_manager.num_total(GPU)
     assert scheduler.block_manager.num_free(HOST) == host_blocks
     assert all(r.is_finished for r in requests)
+
+
+
+def test_under_async_scheduling_each_iteration_is_measured_against_its_own_plan():
+    """Async scheduling makes the next plan before the iteration before it is measured, and
+    the two may differ on whether a host batch is in flight: here the first plan launches a
+    batch, which completes, and its host requests are aborted before the second plan. The first
+    iteration's time (10x its estimate) counts as beside a batch, the second's (as estimated) as
+    alone, whatever order the plans were made in."""
+    scheduler = slow_host_batch_scheduler(40)
+    first = scheduler.schedule()
+    assert first.host_batch is not None and first.interference_sample == (pytest.approx(0.01), True)
+    host_requests = first.host_batch.host_decodes
+    scheduler.update(first, None, HostBatchOutput(host_requests, [TOKEN] * len(host_requests), 0.05, 0.04,
+                                                  False, 0.0))
+    for request in host_requests:
+        scheduler.abort(request)
+    second = scheduler.schedule()
+    assert second.host_batch is None and second.interference_sample == (pytest.approx(0.01), False)
+    interference = scheduler.placement.interference
+    execute(scheduler, first, seconds=0.1)
+    execute(scheduler, second, seconds=0.01)
+    assert interference.samples == ([pytest.approx(10.0)], [pytest.approx(1.0)])

@@ -70,6 +70,11 @@ class HostBatchInterference:
         self._alone: deque[float] = deque(maxlen=window)
         self.factor: float | None = None
 
+    @property
+    def samples(self) -> tuple[list[float], list[float]]:
+        """The measured over estimated ratios in the window: (beside a batch, alone), oldest first."""
+        return list(self._beside), list(self._alone)
+
     def observe(self, estimated_alone: float, measured: float, beside_host_batch: bool) -> None:
         """One decode iteration's estimate alone and measured seconds (ignored unless both
         are positive)."""

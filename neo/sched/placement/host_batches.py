@@ -68,8 +68,6 @@ class HostBatches(Placement):
         super().__init__(full_offload)
         self.in_flight: InFlightHostBatch | None = None
         self.interference = HostBatchInterference()
-        # The last plan's decode iteration: (its estimate alone, beside a host batch), for ``observe``.
-        self._planned_decode_iteration: tuple[float, bool] | None = None
 
     # -- requests in flight --------------------------------------------------------------------
 
@@ -102,8 +100,8 @@ class HostBatches(Placement):
 
     def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
         super().observe(scheduler, plan, output)
-        if self._planned_decode_iteration is not None:
-            estimated_alone, beside = self._planned_decode_iteration
+        if plan.interference_sample is not None:
+            estimated_alone, beside = plan.interference_sample
             self.interference.observe(estimated_alone, output.seconds, beside)
 
     def measured_corrections(self, scheduler) -> tuple:
@@ -126,7 +124,7 @@ class HostBatches(Placement):
                                                          / (self.in_flight.predicted_time + EPSILON))
         plan.predicted_time = alone * slowdown
         decode_only = bool(batch0) and not batch0.prefills and not swaps
-        self._planned_decode_iteration = (alone, self.in_flight is not None) if decode_only else None
+        plan.interference_sample = (alone, self.in_flight is not None) if decode_only else None
 
     def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],
                            plan: SchedulerOutput) -> None:
