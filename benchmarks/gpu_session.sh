@@ -29,6 +29,9 @@
 #   tp-tests     two GPUs: greedy tokens of two ranks against one (eager, graphs, graphs with async
 #                scheduling; gpu-only, neo async and lockstep); the CPU rank tests run in CI
 #   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
+#   tp-timeline  two GPUs: Llama-3.1-70B shapes under neo (graphs across ranks, async scheduling, the
+#                pool an H100 leaves), a torch.profiler timeline of iterations TIMELINE_ITERATIONS
+#                (default 300:330) on both ranks, compressed (files/timeline/*.json.xz)
 #   tp-smoke     two GPUs: Llama-3.1-8B under neo with host batches (perf model zero, a small GPU
 #                pool, so most decodes run on the host), 64 requests, capped at 120 s: the async
 #                host pipeline's side group and its parts across ranks, before the long runs
@@ -192,6 +195,15 @@ stage_tp_scaling() {  # TP_SCALING_RUNS: RANKS[-graphs][-ahead] (graphs across r
       --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options \
       --json > "$out/files/tp-scaling-$run_name.json"
   done
+}
+
+stage_tp_timeline() {  # two GPUs: torch.profiler timelines of 70B neo iterations on both ranks (xz)
+  run tp-timeline timeout -k 10 600 neo bench --model llama-3.1-70b --load-format dummy --dtype bfloat16 \
+    --max-model-len 4096 --tensor-parallel-size 2 --policy neo --gpu-kv-cache-gib 6 --cpu-kv-cache-gib 24 \
+    --tensor-parallel-cuda-graphs --async-scheduling --workload synthetic:input=1000,output=300 \
+    --num-requests 100 --torch-profiler-dir "$out/files/timeline" \
+    --torch-profile-iterations "${TIMELINE_ITERATIONS:-300:330}" --json > "$out/files/tp-timeline.json"
+  xz -T0 -f "$out/files/timeline"/*.json 2>/dev/null
 }
 
 stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead)

@@ -123,6 +123,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="plan and launch each iteration before the previous one's tokens reach the "
                             "host (the next input ids are taken on the device); default: on for one CUDA "
                             "device with one rank, off on the CPU and above one rank")
+    group.add_argument("--torch-profiler-dir", default=None,
+                       help="where start/stop of profiling write each rank's torch.profiler timeline "
+                            "(Chrome trace; default: profiling off)")
     group.add_argument("--trace", dest="trace_path", default=None,
                        help="write a per-iteration trace (JSON) here")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of dummy weights")
@@ -171,7 +174,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         result = run_offline_benchmark(config, args.workload or default_workload,
                                        args.num_requests or default_requests, seed=args.workload_seed,
-                                       show_progress=not args.json, engine=engine, duration=args.duration)
+                                       show_progress=not args.json, engine=engine, duration=args.duration,
+                                       profile_iterations=args.torch_profile_iterations)
     finally:
         engine.close()
     if args.json:
@@ -236,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=cli_values.positive_number, default=None,
                        help="stop after this many seconds; the headline then says the run was cut "
                             "short (default: run every request to completion)")
+    bench.add_argument("--torch-profile-iterations", type=cli_values.iteration_range, default=None,
+                       metavar="FIRST:LAST",
+                       help="record a torch.profiler timeline of these iterations of the run on every rank, "
+                            "into --torch-profiler-dir")
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(handler=_bench)
 

@@ -53,6 +53,20 @@ def _finite(text: str) -> float:
     return value
 
 
+def iteration_range(text: str) -> tuple[int, int]:
+    """``FIRST:LAST``: iterations counted from 1, ``1 <= FIRST <= LAST``."""
+    first, separator, last = text.partition(":")
+    try:
+        bounds = int(first), int(last)
+    except ValueError:
+        bounds = None
+    if not separator or bounds is None:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST (two integers), got {text!r}")
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"needs 1 <= FIRST <= LAST, got {text}")
+    return bounds
+
+
 def positive_number(text: str) -> float:
     """A finite number > 0."""
     value = _finite(text)

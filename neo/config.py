@@ -34,6 +34,8 @@ class EngineConfig:
     perf_model: stage-time table for the load-aware scheduler: "auto" (this machine's profile
         from the cache, profiled on first use), "zero" (predicts zero: tests), or a JSON path.
     trace_path: write a per-iteration trace (predicted vs measured time, busy times) here.
+    torch_profiler_dir: where ``LLM.start_profile()`` / ``stop_profile()`` write each rank's
+        ``torch.profiler`` timeline (``neo.engine.torch_profiler``); None: profiling is off.
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
         at most ``cuda_graph_max_context`` tokens.
     tensor_parallel_cuda_graphs: with ``tensor_parallel_size`` > 1 on GPUs, capture the CUDA
@@ -100,6 +102,7 @@ class EngineConfig:
     placement: str | None = None
     perf_model: str = "auto"
     trace_path: str | None = None
+    torch_profiler_dir: str | None = None
     async_scheduling: bool | None = None
     seed: int = 0
 

@@ -117,6 +117,15 @@ class LLM:
         GPU and host decode tokens, blocks swapped out and in, ...)."""
         return self.engine.metrics.as_dict()
 
+    def start_profile(self) -> None:
+        """Start recording a ``torch.profiler`` timeline on every rank (needs
+        ``torch_profiler_dir``)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording; returns each rank's trace file (Chrome trace), rank 0's first."""
+        return self.engine.stop_profile()
+
     def close(self) -> None:
         self.engine.close()
 

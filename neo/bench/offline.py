@@ -56,16 +56,49 @@ def steady_throughput(log: list[tuple[float, int]], cut_short: bool) -> float:
     return (end[1] - start[1]) / (end[0] - start[0])
 
 
+class ProfiledWindow:
+    """Starts the engine's timeline (``LLMEngine.start_profile``) before the step that runs
+    iteration ``first`` of the window and stops it once ``last`` has run; nothing without a
+    window."""
+
+    def __init__(self, engine: LLMEngine, window: tuple[int, int] | None, iterations_before: int):
+        self.engine = engine
+        self.window = window
+        self.iterations_before = iterations_before
+        self.traces: list[str] = []
+
+    def before_step(self) -> None:
+        if self.window is None:
+            return
+        done = self.engine.metrics.iterations - self.iterations_before
+        first, last = self.window
+        if not self.engine.timeline.running and not self.traces and done >= first - 1:
+            self.engine.start_profile()
+        elif self.engine.timeline.running and done >= last:
+            self.traces = self.engine.stop_profile()
+
+    def end(self) -> None:
+        """The run is over: stop a timeline still recording."""
+        if self.window is not None and self.engine.timeline.running:
+            self.traces = self.engine.stop_profile()
+
+
 def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int, seed: int = 0,
                           show_progress: bool = True, engine: LLMEngine | None = None,
-                          duration: float | None = None) -> dict:
+                          duration: float | None = None, profile_iterations: tuple[int, int] | None = None) -> dict:
     """Run the workload; returns a dict of figures (and ``summary``, a printable text).
 
     ``duration`` (seconds) stops the run early, aborting what is left; the figures then cover
     what ran and the steady throughput its saturated part. The progress bar counts output
-    tokens against the sum of the forced output lengths."""
+    tokens against the sum of the forced output lengths. ``profile_iterations`` ``(first,
+    last)``: record a ``torch.profiler`` timeline of the run's iterations ``first`` to ``last``
+    (counted from 1) on every rank (the engine's ``torch_profiler_dir``); the files are listed
+    under ``torch_profiler_traces``."""
     if duration is not None and not duration > 0:
         raise ValueError(f"duration must be > 0 seconds, got {duration}")
+    if profile_iterations is not None and not config.torch_profiler_dir:
+        raise ValueError("profile_iterations needs torch_profiler_dir (--torch-profiler-dir): where to write "
+                         "the timelines")
     requests = parse_workload(workload, num_requests, seed=seed)
     owns_engine = engine is None
     engine = engine or LLMEngine(config)
@@ -88,11 +121,13 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
     prefilled: set[str] = set()
     start = time.perf_counter()
     cut_short = False
+    profiled = ProfiledWindow(engine, profile_iterations, metrics_before.iterations)
     while engine.has_unfinished_requests():
         if duration is not None and time.perf_counter() - start > duration:
             cut_short = True
             engine.abort_all()
             break
+        profiled.before_step()
         outputs = engine.step()
         for output in outputs:
             if output.request_id not in prefilled:  # its first token: its prompt is processed
@@ -106,6 +141,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
             pool = engine.block_manager.pools[location]
             peak_blocks[location] = max(peak_blocks[location], pool.num_used)
     elapsed = time.perf_counter() - start
+    profiled.end()
     progress.close()
     metrics = {key: value - getattr(metrics_before, key)
                for key, value in dataclasses.asdict(engine.metrics).items()}
@@ -123,6 +159,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "steady_output_tokens_per_s": steady_throughput(log, cut_short),
         "cut_short": cut_short,
+        "torch_profiler_traces": profiled.traces,
         "finished_requests": finished,
         "gpu_kv_pool_gib": engine.layout.num_gpu_blocks * block_gib,
         "cpu_kv_pool_gib": engine.layout.num_host_blocks * block_gib,
@@ -150,6 +187,8 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         f"host batches {metrics['host_batches']}, "
         f"GPU decode tokens {metrics['gpu_decode_tokens']}, host decode tokens {metrics['host_decode_tokens']}, "
         f"swapped out/in {metrics['blocks_swapped_out']}/{metrics['blocks_swapped_in']} blocks")
+    if profiled.traces:
+        result["summary"] += f"\n  torch.profiler timelines: {', '.join(profiled.traces)}"
     if owns_engine:
         engine.close()
     return result

@@ -22,6 +22,7 @@ from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .parallel_sampling import ParentRequest, child_params, child_request_id
 from .rank_workers import RankWorkers
 from .startup_phases import StartupPhases
+from .torch_profiler import TorchProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class LLMEngine:
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
+        self.timeline = (TorchProfiler(config.torch_profiler_dir, 0, self.device.type)
+                         if config.torch_profiler_dir else None)
         self._requests: dict[str, Request] = {}
         # Parallel sampling: the parents by id, and each child's parent and index.
         self._parents: dict[str, ParentRequest] = {}
@@ -615,6 +618,33 @@ class LLMEngine:
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before),
             host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes)))
 
+    def start_profile(self) -> None:
+        """Start recording a ``torch.profiler`` timeline on every rank
+        (``neo.engine.torch_profiler``); ``stop_profile`` ends it."""
+        timeline = self._timeline()
+        timeline.start()
+        if self.runner.plan_channel is not None:
+            self.runner.plan_channel.send_torch_profiler("start")
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording and write each rank's timeline; returns the files, rank 0's first
+        (the other ranks write theirs as they get the stop, before their next plan)."""
+        timeline = self._timeline()
+        if not timeline.running:
+            raise RuntimeError("the torch profiler is not recording: start_profile() first")
+        if self.runner.plan_channel is not None:
+            self.runner.plan_channel.send_torch_profiler("stop")
+        return [timeline.stop()] + [timeline.trace_path(timeline.stretches, rank)
+                                    for rank in range(1, self.config.tensor_parallel_size)]
+
+    def _timeline(self) -> TorchProfiler:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self.timeline is None:
+            raise ValueError("profiling needs torch_profiler_dir (--torch-profiler-dir): where to write the "
+                             "timelines")
+        return self.timeline
+
     def close(self) -> None:
         """Release the pools and the host worker; later calls of ``add_request`` and ``step``
         raise. Closing again does nothing."""
@@ -634,6 +664,8 @@ class LLMEngine:
                 logger.warning("the host batch in flight at close failed: %s", error)
         if self.trace is not None:
             self.trace.save(self.config.trace_path)
+        if self.timeline is not None and self.timeline.running:  # the other ranks stop as they exit
+            self.timeline.stop()
         try:
             self.runner.release_graphs()
         except RuntimeError as error:  # a device in an error state refuses the release too

@@ -36,6 +36,7 @@ from neo.models.parallel import TensorParallel, check_divisible
 from neo.runner.rank_plan import PlanChannel
 
 from .build import build, check_host_allocations
+from .torch_profiler import TorchProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def join_group(rank: int, size: int, port: int, device_type: str) -> tuple[Tenso
 def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
     """Rank ``rank``: build this rank's parts and follow the driver's plans until told to stop."""
     parts = None
+    timeline = (TorchProfiler(config.torch_profiler_dir, rank, config.compute_device.type)
+                if config.torch_profiler_dir else None)
     try:
         parallel, channel = join_group(rank, config.tensor_parallel_size, port, config.compute_device.type)
         parts = build(config, parallel)
@@ -88,12 +91,18 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
                 parts.runner.follow_host_batch_parts(payload)
             elif kind == "profile":
                 parts.profiler.run()
+            elif kind == "torch_profiler" and payload == "start":
+                timeline.start()
+            elif kind == "torch_profiler":
+                timeline.stop()
             else:
                 raise ValueError(f"unknown message {kind!r} from the driver rank")
     except BaseException as error:
         failures.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
+        if timeline is not None and timeline.running:  # the driver closed while recording
+            timeline.stop()
         if parts is not None:
             try:
                 parts.runner.release_graphs()  # before leaving the group: they hold its collectives

@@ -26,6 +26,10 @@ from .sampled_tokens import HostTokenBuffers, PreviousTokens, SampledTokens
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
+# The range each iteration's launch (and, on the other ranks, its execution) shows as in a
+# torch.profiler timeline (``neo.engine.torch_profiler``).
+ITERATION_LABEL = "neo.iteration"
+
 
 def block_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
     """int64 host ``[n, 2]`` (source block, destination block) rows."""
@@ -114,6 +118,11 @@ class ModelRunner:
         newest token is unresolved take as input (async scheduling). ``read_later``: copy the
         tokens to page-locked host memory behind the sampling, for a ``collect`` after the next
         launch."""
+        with torch.profiler.record_function(ITERATION_LABEL):
+            return self._launch(plan, on_launched, previous, read_later)
+
+    def _launch(self, plan: SchedulerOutput, on_launched: Callable[[], None] | None,
+                previous: PreviousTokens | None, read_later: bool) -> LaunchedIteration:
         began = time.perf_counter()
         if self.plan_channel is not None:
             self.plan_channel.send_plan(plan)
@@ -168,6 +177,10 @@ class ModelRunner:
         buffers and failure flag serve the next iteration too (the driver, likewise, reads such
         an iteration's tokens before it plans on). Any other iteration is not waited for: the
         next plan is built while it runs, as on the driver."""
+        with torch.profiler.record_function(ITERATION_LABEL):
+            self._follow(plan)
+
+    def _follow(self, plan: SchedulerOutput) -> None:
         logits, requests, _, _ = self._forward(plan, self._followed_samples)
         if logits is None:
             return

@@ -23,7 +23,8 @@ Messages are ``(kind, payload)``: ``("execute", planned(plan))`` before an itera
 launched, ``("parts", count)`` before the driver queues more of that batch's layer parts (the
 first ``count`` then: the others queue theirs up to it), ``("profile", None)`` before the driver
 profiles stage times (every rank then runs its own profiler in lockstep: the model's collectives
-join their measurements); ``None`` tells the others to stop. On the wire, "execute" and
+join their measurements), ``("torch_profiler", "start" | "stop")`` when the driver starts or
+stops recording a timeline (``neo.engine.torch_profiler``); ``None`` tells the others to stop. On the wire, "execute" and
 "launch" carry a third element, the ids of the finished requests. The channel is a gloo group of its own (``PlanChannel``):
 ``broadcast_object_list`` pickles the message on rank 0 and unpickles it on the others.
 """
@@ -156,6 +157,10 @@ class PlanChannel:
     def send_parts(self, count: int) -> None:
         """Rank 0: the host batch in flight is about to have its first ``count`` layer parts queued."""
         self.send(("parts", count))
+
+    def send_torch_profiler(self, action: str) -> None:
+        """Rank 0: every rank starts ("start") or stops ("stop") its torch profiler now."""
+        self.send(("torch_profiler", action))
 
     def send(self, message) -> None:
         """Rank 0: hand ``message`` (picklable; None: stop) to every other rank."""
