@@ -1,6 +1,6 @@
 """``LLM.start_profile`` / ``stop_profile``: a ``torch.profiler`` timeline of a stretch of serving
-from every rank (neo-tiny on the CPU; two ranks over gloo), and ``neo bench``'s window of
-iterations."""
+from every rank (neo-tiny on the CPU; two ranks over gloo), ``neo bench``'s window of
+iterations, and the server's routes."""
 
 import json
 
@@ -10,6 +10,7 @@ from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
 from neo import LLM, EngineConfig, SamplingParams
 from neo.bench import run_offline_benchmark
 from neo.runner.model_runner import ITERATION_LABEL
+from server_harness import TINY_OPTIONS, live_server, post
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -84,3 +85,21 @@ def test_bench_records_the_window_of_iterations_it_is_given(tmp_path):
     with pytest.raises(ValueError, match="torch_profiler_dir"):
         run_offline_benchmark(EngineConfig(model="neo-tiny", device="cpu"), "synthetic:input=16,output=12", 2,
                               show_progress=False, profile_iterations=(1, 2))
+
+
+def test_the_server_starts_and_stops_a_stretch_over_http(tmp_path):
+    """vLLM's routes: ``POST /start_profile``, ``POST /stop_profile`` (which answers the files);
+    a second start or a stop without a start is a 409 naming why; without a profiler directory
+    the routes do not exist."""
+    with live_server("neo-tiny", TINY_OPTIONS | {"torch_profiler_dir": str(tmp_path)}) as server:
+        assert post(server, "/stop_profile", {}).status_code == 409
+        assert post(server, "/start_profile", {}).json() == {"status": "recording"}
+        again = post(server, "/start_profile", {})
+        assert again.status_code == 409 and "already recording" in again.json()["error"]["message"]
+        completion = post(server, "/v1/completions", dict(prompt=[1, 2, 3], max_tokens=4, temperature=0))
+        assert completion.status_code == 200
+        stopped = post(server, "/stop_profile", {})
+        assert stopped.json() == {"status": "written", "traces": [str(tmp_path / "trace-1-rank0.json")]}
+    assert ITERATION_LABEL in operator_names(tmp_path / "trace-1-rank0.json")
+    with live_server("neo-tiny", TINY_OPTIONS) as server:
+        assert post(server, "/start_profile", {}).status_code == 404

@@ -1,7 +1,9 @@
 """The FastAPI application and ``serve`` (what ``neo serve`` runs).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. The model is served under
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, and with ``--torch-profiler-dir``
+vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (``neo.engine.torch_profiler``; the
+stop answers the trace files). The model is served under
 ``ServerSettings.served_model_name`` (default: the engine's ``config.model``). Every error is
 returned in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a request the
 client got wrong is answered 4xx and logged at most at debug level, so hostile clients cannot
@@ -33,7 +35,7 @@ from neo.config import EngineConfig
 from neo.engine import LLMEngine
 
 from . import prometheus
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineStopped
 from .auth import ApiKeyMiddleware
 from .protocol import ProtocolError
 from .responses import model_card
@@ -105,6 +107,24 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             return error_response(404, f"the model {model_id!r} does not exist: this server "
                                        f"serves {model_name!r}", "model", "model_not_found")
         return JSONResponse(model_card(model_name, created, engine.max_model_len))
+
+    if engine.config.torch_profiler_dir:  # vLLM's routes, there too only with a profiler directory
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            return await profiling(start=True)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            return await profiling(start=False)
+
+    async def profiling(start: bool) -> Response:
+        try:
+            traces = await async_engine.profile(start)
+        except EngineStopped as error:
+            return error_response(503, str(error))
+        except RuntimeError as error:  # already recording, or not recording
+            return error_response(409, str(error))
+        return JSONResponse({"status": "recording"} if start else {"status": "written", "traces": traces})
 
     @app.get("/health")
     async def health() -> Response:

@@ -127,6 +127,12 @@ class _AbortAll:
     pass
 
 
+@dataclass
+class _Profile:
+    start: bool  # start recording (False: stop)
+    queue: asyncio.Queue  # gets the trace files (stop), None (start) or the error
+
+
 class AsyncEngine:
     """Runs ``engine`` on a background thread; ``start`` it from the event loop that will call
     ``generate``.
@@ -211,6 +217,20 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._submit(_Abort(request_id, notify=False))
+
+    async def profile(self, start: bool) -> list[str]:
+        """Start (``start``) or stop the engine's ``torch.profiler`` timeline between two passes
+        of the engine thread (``LLMEngine.start_profile`` / ``stop_profile``); stopping returns
+        the trace files. Raises what the engine raised: ``ValueError`` without
+        ``torch_profiler_dir``, ``RuntimeError`` when already (or not) recording."""
+        if not self.is_running:
+            raise EngineStopped("the server is shutting down")
+        queue = asyncio.Queue()
+        self._submit(_Profile(start, queue))
+        result = await queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def abort(self, request_id: str) -> None:
         """End a request now; its stream gets a final output with finish reason "abort"."""
@@ -304,8 +324,19 @@ class AsyncEngine:
                     self.engine.abort_request(command.request_id)
                     if command.notify:
                         deliveries.append((tracked.queue, self._final_output(tracked.request)))
+            elif isinstance(command, _Profile):
+                deliveries.append((command.queue, self._profile(command.start)))
             else:
                 self._abort_all(deliveries, reason_error=None)
+
+    def _profile(self, start: bool) -> list[str] | Exception:
+        try:
+            if start:
+                self.engine.start_profile()
+                return []
+            return self.engine.stop_profile()
+        except (ValueError, RuntimeError) as error:
+            return error
 
     def _add(self, command: _Add, deliveries: list, stopping: bool) -> None:
         if stopping:
