@@ -57,7 +57,7 @@ def steady_throughput(log: list[tuple[float, int]], cut_short: bool) -> float:
 
 
 class ProfiledWindow:
-    """Starts the engine's timeline (``LLMEngine.start_profile``) before the step that runs
+    """Starts the engine's torch profiler (``LLMEngine.start_profile``) before the step that runs
     iteration ``first`` of the window and stops it once ``last`` has run; nothing without a
     window."""
 
@@ -72,14 +72,14 @@ class ProfiledWindow:
             return
         done = self.engine.metrics.iterations - self.iterations_before
         first, last = self.window
-        if not self.engine.timeline.running and not self.traces and done >= first - 1:
+        if not self.engine.torch_profiler.running and not self.traces and done >= first - 1:
             self.engine.start_profile()
-        elif self.engine.timeline.running and done >= last:
+        elif self.engine.torch_profiler.running and done >= last:
             self.traces = self.engine.stop_profile()
 
     def end(self) -> None:
         """The run is over: stop a timeline still recording."""
-        if self.window is not None and self.engine.timeline.running:
+        if self.window is not None and self.engine.torch_profiler.running:
             self.traces = self.engine.stop_profile()
 
 

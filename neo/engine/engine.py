@@ -99,8 +99,8 @@ class LLMEngine:
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
-        self.timeline = (TorchProfiler(config.torch_profiler_dir, 0, self.device.type)
-                         if config.torch_profiler_dir else None)
+        self.torch_profiler = (TorchProfiler(config.torch_profiler_dir, 0, self.device.type)
+                               if config.torch_profiler_dir else None)
         self._requests: dict[str, Request] = {}
         # Parallel sampling: the parents by id, and each child's parent and index.
         self._parents: dict[str, ParentRequest] = {}
@@ -621,29 +621,29 @@ class LLMEngine:
     def start_profile(self) -> None:
         """Start recording a ``torch.profiler`` timeline on every rank
         (``neo.engine.torch_profiler``); ``stop_profile`` ends it."""
-        timeline = self._timeline()
-        timeline.start()
+        torch_profiler = self._torch_profiler_or_raise()
+        torch_profiler.start()
         if self.runner.plan_channel is not None:
             self.runner.plan_channel.send_torch_profiler("start")
 
     def stop_profile(self) -> list[str]:
         """Stop recording and write each rank's timeline; returns the files, rank 0's first
         (the other ranks write theirs as they get the stop, before their next plan)."""
-        timeline = self._timeline()
-        if not timeline.running:
+        torch_profiler = self._torch_profiler_or_raise()
+        if not torch_profiler.running:
             raise RuntimeError("the torch profiler is not recording: start_profile() first")
         if self.runner.plan_channel is not None:
             self.runner.plan_channel.send_torch_profiler("stop")
-        return [timeline.stop()] + [timeline.trace_path(timeline.stretches, rank)
+        return [torch_profiler.stop()] + [torch_profiler.trace_path(torch_profiler.stretches, rank)
                                     for rank in range(1, self.config.tensor_parallel_size)]
 
-    def _timeline(self) -> TorchProfiler:
+    def _torch_profiler_or_raise(self) -> TorchProfiler:
         if self._closed:
             raise RuntimeError("the engine is closed")
-        if self.timeline is None:
+        if self.torch_profiler is None:
             raise ValueError("profiling needs torch_profiler_dir (--torch-profiler-dir): where to write the "
                              "timelines")
-        return self.timeline
+        return self.torch_profiler
 
     def close(self) -> None:
         """Release the pools and the host worker; later calls of ``add_request`` and ``step``
@@ -664,8 +664,8 @@ class LLMEngine:
                 logger.warning("the host batch in flight at close failed: %s", error)
         if self.trace is not None:
             self.trace.save(self.config.trace_path)
-        if self.timeline is not None and self.timeline.running:  # the other ranks stop as they exit
-            self.timeline.stop()
+        if self.torch_profiler is not None and self.torch_profiler.running:  # the other ranks stop on exit
+            self.torch_profiler.stop()
         try:
             self.runner.release_graphs()
         except RuntimeError as error:  # a device in an error state refuses the release too

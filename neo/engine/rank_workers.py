@@ -76,8 +76,8 @@ def join_group(rank: int, size: int, port: int, device_type: str) -> tuple[Tenso
 def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
     """Rank ``rank``: build this rank's parts and follow the driver's plans until told to stop."""
     parts = None
-    timeline = (TorchProfiler(config.torch_profiler_dir, rank, config.compute_device.type)
-                if config.torch_profiler_dir else None)
+    torch_profiler = (TorchProfiler(config.torch_profiler_dir, rank, config.compute_device.type)
+                      if config.torch_profiler_dir else None)
     try:
         parallel, channel = join_group(rank, config.tensor_parallel_size, port, config.compute_device.type)
         parts = build(config, parallel)
@@ -92,17 +92,17 @@ def _worker_main(rank: int, config: EngineConfig, port: int, failures) -> None:
             elif kind == "profile":
                 parts.profiler.run()
             elif kind == "torch_profiler" and payload == "start":
-                timeline.start()
+                torch_profiler.start()
             elif kind == "torch_profiler":
-                timeline.stop()
+                torch_profiler.stop()
             else:
                 raise ValueError(f"unknown message {kind!r} from the driver rank")
     except BaseException as error:
         failures.put((rank, f"{type(error).__name__}: {error}", traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
-        if timeline is not None and timeline.running:  # the driver closed while recording
-            timeline.stop()
+        if torch_profiler is not None and torch_profiler.running:  # the driver closed while recording
+            torch_profiler.stop()
         if parts is not None:
             try:
                 parts.runner.release_graphs()  # before leaving the group: they hold its collectives

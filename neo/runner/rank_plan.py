@@ -24,9 +24,10 @@ launched, ``("parts", count)`` before the driver queues more of that batch's lay
 first ``count`` then: the others queue theirs up to it), ``("profile", None)`` before the driver
 profiles stage times (every rank then runs its own profiler in lockstep: the model's collectives
 join their measurements), ``("torch_profiler", "start" | "stop")`` when the driver starts or
-stops recording a timeline (``neo.engine.torch_profiler``); ``None`` tells the others to stop. On the wire, "execute" and
-"launch" carry a third element, the ids of the finished requests. The channel is a gloo group of its own (``PlanChannel``):
-``broadcast_object_list`` pickles the message on rank 0 and unpickles it on the others.
+stops recording a timeline (``neo.engine.torch_profiler``); ``None`` tells the others to stop.
+On the wire, "execute" and "launch" carry a third element, the ids of the finished requests.
+The channel is a gloo group of its own (``PlanChannel``): ``broadcast_object_list`` pickles the
+message on rank 0 and unpickles it on the others.
 """
 
 from dataclasses import dataclass

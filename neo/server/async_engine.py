@@ -130,7 +130,7 @@ class _AbortAll:
 @dataclass
 class _Profile:
     start: bool  # start recording (False: stop)
-    queue: asyncio.Queue  # gets the trace files (stop), None (start) or the error
+    queue: asyncio.Queue  # gets the trace files (stop), [] (start) or the error
 
 
 class AsyncEngine:
