@@ -21,11 +21,10 @@
 #                policies side by side (offload-70b-tp2: two GPUs, tensor parallelism)
 #                (OFFLOAD_ARGS adds arguments, e.g. --policies neo --workloads ...,
 #                --gpu-kv-cache-gib 4 for the pool an 80 GB H100 leaves 70B on a larger GPU,
-#                --tensor-parallel-cuda-graphs --async-scheduling)
-#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two, eagerly, with the graphs
-#                captured across ranks (synchronous scheduling), and with those graphs and async
-#                scheduling (TP_SCALING_RUNS picks runs: RANKS[-graphs][-ahead], e.g. "1-ahead
-#                2-graphs-ahead"; one rank always replays graphs)
+#                --no-cuda-graphs --no-async-scheduling)
+#   tp-scaling   gpu-only Llama-3.1-8B offline on one GPU and on two (graphs and async scheduling,
+#                the defaults), and on two with synchronous scheduling and eagerly (TP_SCALING_RUNS
+#                picks runs: RANKS[-eager][-sync], e.g. "1 2 2-eager-sync")
 #   tp-tests     two GPUs: greedy tokens of two ranks against one (eager, graphs, graphs with async
 #                scheduling; gpu-only, neo async and lockstep); the CPU rank tests run in CI
 #   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
@@ -183,13 +182,12 @@ stage_offload_8b_full() { offload 8b-full ${OFFLOAD_ARGS:-}; }
 stage_offload_threads() { offload 32b-threads ${OFFLOAD_ARGS:-}; }
 stage_offload_70b_tp2() { offload 70b-tp2 ${OFFLOAD_ARGS:-}; }
 
-stage_tp_scaling() {  # TP_SCALING_RUNS: RANKS[-graphs][-ahead] (graphs across ranks; async scheduling)
+stage_tp_scaling() {  # TP_SCALING_RUNS: RANKS[-eager][-sync] (no CUDA graphs; synchronous scheduling)
   local run_name options
-  for run_name in ${TP_SCALING_RUNS:-1 2 2-graphs 2-graphs-ahead}; do
+  for run_name in ${TP_SCALING_RUNS:-1 2 2-sync 2-eager}; do
     options="--tensor-parallel-size ${run_name%%-*}"
-    [[ $run_name == *-graphs* ]] && options="$options --tensor-parallel-cuda-graphs"
-    if [[ $run_name == *-ahead ]]; then options="$options --async-scheduling"
-    else options="$options --no-async-scheduling"; fi
+    [[ $run_name == *-eager* ]] && options="$options --no-cuda-graphs"
+    [[ $run_name == *-sync ]] && options="$options --no-async-scheduling"
     run "tp-scaling-$run_name" timeout -k 10 $((seconds + 240)) neo bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
       --max-model-len 8192 --workload synthetic:input=1000,output=300 \
       --num-requests "${TP_SCALING_REQUESTS:-$requests}" --duration "$seconds" $options \
@@ -200,8 +198,7 @@ stage_tp_scaling() {  # TP_SCALING_RUNS: RANKS[-graphs][-ahead] (graphs across r
 stage_tp_timeline() {  # two GPUs: torch.profiler timelines of 70B neo iterations on both ranks (xz)
   run tp-timeline timeout -k 10 600 neo bench --model llama-3.1-70b --load-format dummy --dtype bfloat16 \
     --max-model-len 4096 --tensor-parallel-size 2 --policy neo --gpu-kv-cache-gib 6 --cpu-kv-cache-gib 24 \
-    --tensor-parallel-cuda-graphs --async-scheduling --workload synthetic:input=1000,output=300 \
-    --num-requests 100 --torch-profiler-dir "$out/files/timeline" \
+    --workload synthetic:input=1000,output=300 --num-requests 100 --torch-profiler-dir "$out/files/timeline" \
     --torch-profile-iterations "${TIMELINE_ITERATIONS:-300:330}" --json > "$out/files/tp-timeline.json"
   xz -T0 -f "$out/files/timeline"/*.json 2>/dev/null
 }

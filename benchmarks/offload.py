@@ -229,11 +229,11 @@ def main() -> None:
                              "weights leave (default: the scenario's, else the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="GPUs (ranks) per engine; default: the scenario's, else 1")
-    parser.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
-                        help="above one rank, capture the CUDA graphs with the collectives inside")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay captured CUDA graphs (--no-cuda-graphs: every iteration eagerly)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each iteration before the previous one's tokens are read (default: the "
-                             "engine's, on for one CUDA rank only)")
+                             "engine's, on for CUDA devices)")
     parser.add_argument("--output-dir", default=".")
     parser.add_argument("--keep-traces", action="store_true",
                         help="also write each run's per-iteration trace (trace-*.json.gz)")
@@ -254,7 +254,7 @@ def main() -> None:
                         max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len or scenario.get("max_model_len", 4096),
                         tensor_parallel_size=args.tensor_parallel_size or scenario.get("tensor_parallel_size", 1),
-                        tensor_parallel_cuda_graphs=args.tensor_parallel_cuda_graphs,
+                        use_cuda_graphs=args.cuda_graphs,
                         async_scheduling=args.async_scheduling, perf_model=args.perf_model)
     report = {
         "scenario": args.scenario,

@@ -99,9 +99,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="threads for host decode attention (default: all cores but one)")
     group.add_argument("--no-cuda-graphs", dest="use_cuda_graphs", action="store_false",
                        help="run every iteration eagerly (no CUDA graph replays)")
-    group.add_argument("--tensor-parallel-cuda-graphs", action="store_true",
-                       help="above one rank, capture the CUDA graphs (decode, pipeline, host batch) with the "
-                            "collectives inside (default: those ranks run every iteration eagerly)")
     group.add_argument("--host-pipeline", default=defaults.host_pipeline, choices=HOST_PIPELINES,
                        help="async: host decodes as their own batch beside the GPU's iterations; "
                             "lockstep: host decodes in each iteration's two sub-batches; "
@@ -121,8 +118,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "machine, made on first use), zero, or a JSON path")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch each iteration before the previous one's tokens reach the "
-                            "host (the next input ids are taken on the device); default: on for one CUDA "
-                            "device with one rank, off on the CPU and above one rank")
+                            "host (the next input ids are taken on the device); default: on for CUDA "
+                            "devices, off on the CPU")
     group.add_argument("--torch-profiler-dir", default=None,
                        help="where start/stop of profiling write each rank's torch.profiler timeline "
                             "(Chrome trace; default: profiling off)")

@@ -37,12 +37,12 @@ class EngineConfig:
     torch_profiler_dir: where ``LLM.start_profile()`` / ``stop_profile()`` write each rank's
         ``torch.profiler`` timeline (``neo.engine.torch_profiler``); None: profiling is off.
     use_cuda_graphs: replay captured CUDA graphs for decode-only iterations whose contexts are
-        at most ``cuda_graph_max_context`` tokens.
-    tensor_parallel_cuda_graphs: with ``tensor_parallel_size`` > 1 on GPUs, capture the CUDA
-        graphs with the model's collectives inside them, every rank alike: the decode graphs at
-        start-up, the pipeline and host-batch graphs on a shape's first plan. A capture that
-        fails on a rank stops the engine with an error naming this option (one rank replaying
-        while another runs eagerly would mix captured and eager collectives). Off by default.
+        at most ``cuda_graph_max_context`` tokens. Above one rank every rank captures the same
+        graphs, with the model's collectives inside them: the decode graphs at start-up, the
+        pipeline and host-batch graphs on a shape's first plan. There a capture that fails
+        stops the engine with an error naming this option (one rank replaying while another ran
+        the plan eagerly would mix captured and eager collectives); on one rank those
+        iterations run eagerly instead.
     host_pipeline: how host decodes (policies neo and full-offload) run beside the GPU's work:
         "async" (host decodes run as their own batch on a stream of their own, which spans as
         many GPU iterations as its host attention takes) or "lockstep" (each iteration's two
@@ -71,8 +71,8 @@ class EngineConfig:
         an iteration that itself decodes on the host (the lockstep pipeline) or prefills into
         the host pool runs after the previous tokens are read. Above one rank the driver's
         samples reach the other ranks on the device, one broadcast an iteration. None (the
-        default): on for a CUDA device with one rank; off above one rank (not yet measured
-        there) and on the CPU (nothing runs beside the host's work there, so it gains nothing).
+        default): on for CUDA devices; off on the CPU (nothing runs beside the host's work
+        there, so it gains nothing).
 
     Names that depend on registries or the machine (kernels, stage orders, placements) are
     checked when the engine is built, with errors that list the choices.
@@ -93,7 +93,6 @@ class EngineConfig:
     max_model_len: int | None = None
     cpu_attention_threads: int | None = None
     use_cuda_graphs: bool = True
-    tensor_parallel_cuda_graphs: bool = False
     cuda_graph_max_context: int = 8192
     host_pipeline: str = "async"
     pad_gemm_rows: bool | None = None
@@ -171,7 +170,7 @@ class EngineConfig:
         """Whether async scheduling is on (``async_scheduling``, None resolved for this machine)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.compute_device.type == "cuda" and self.tensor_parallel_size == 1
+        return self.compute_device.type == "cuda"
 
     @property
     def compute_device(self) -> torch.device:

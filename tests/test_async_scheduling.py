@@ -102,7 +102,8 @@ def test_each_step_returns_the_previous_iterations_tokens():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_async_scheduling_by_default_on_cuda_only(device):
-    """Unset, it is on for one CUDA device and off on the CPU (each step returns its own tokens)."""
+    """Unset, it is on for CUDA devices, one rank or several, and off on the CPU (each step
+    returns its own tokens)."""
     engine = LLMEngine(EngineConfig(model="neo-tiny", device=device, gpu_kv_cache_gib=gib_for_blocks(64)))
     try:
         assert engine.async_scheduling == (device == "cuda")
@@ -110,7 +111,7 @@ def test_async_scheduling_by_default_on_cuda_only(device):
         assert len(engine.step()) == (0 if device == "cuda" else 1)
     finally:
         engine.close()
-    assert not EngineConfig(model="neo-tiny", device=device, tensor_parallel_size=2).schedules_ahead
+    assert EngineConfig(model="neo-tiny", device=device, tensor_parallel_size=2).schedules_ahead == (device == "cuda")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,7 @@ def test_two_ranks_scheduling_ahead_give_one_synchronous_ranks_tokens(policy, ho
     assert results[2] == results[1]
 
 
-def test_async_scheduling_is_off_by_default_above_one_rank():
-    assert not EngineConfig(model="neo-tiny", device="cpu", tensor_parallel_size=2).schedules_ahead
+def test_async_scheduling_above_one_rank_is_what_is_asked_for():
     assert EngineConfig(model="neo-tiny", device="cpu", tensor_parallel_size=2, async_scheduling=True).schedules_ahead
+    assert not EngineConfig(model="neo-tiny", device="cpu", tensor_parallel_size=2,
+                            async_scheduling=False).schedules_ahead

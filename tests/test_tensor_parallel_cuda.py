@@ -1,6 +1,6 @@
-"""Tensor parallelism on two GPUs (NCCL): greedy tokens of two ranks equal one rank's on the same
-GPU kind, eagerly, with the CUDA graphs captured across ranks (``tensor_parallel_cuda_graphs``),
-and with those graphs and async scheduling (the driver's samples broadcast to the other rank),
+"""Tensor parallelism on two GPUs (NCCL): greedy tokens of two ranks equal one synchronous
+rank's on the same GPU kind, eagerly, with the CUDA graphs captured across ranks, and with those
+graphs and async scheduling (the defaults; the driver's samples broadcast to the other rank),
 under gpu-only, under neo with host batches (whose collectives go over the side group, their
 parts paced by the driver; with graphs, replayed from host-batch graphs) and under neo's
 lockstep pipeline (with graphs, decode-only iterations with host decodes replay pipeline
@@ -35,7 +35,7 @@ def generate(size: int, policy: str, graphs: bool, ahead: bool = False) -> tuple
     block_bytes = BLOCK_BYTES // size  # a rank's block holds 1 / size of the KV heads
     llm = LLM("neo-tiny", device="cuda", dtype="float32", **POLICIES[policy], tensor_parallel_size=size,
               perf_model="zero", max_num_seqs=8, gpu_kv_cache_gib=gib_for_blocks(12, block_bytes),
-              cpu_kv_cache_gib=gib_for_blocks(256, block_bytes), tensor_parallel_cuda_graphs=graphs,
+              cpu_kv_cache_gib=gib_for_blocks(256, block_bytes), use_cuda_graphs=graphs,
               async_scheduling=ahead)
     runner, launched_ahead = llm.engine.runner, []
     launch = runner.launch
@@ -55,7 +55,7 @@ def generate(size: int, policy: str, graphs: bool, ahead: bool = False) -> tuple
 
 @functools.cache
 def one_rank_tokens(policy: str) -> list[list[int]]:
-    return generate(1, policy, graphs=False)[0]
+    return generate(1, policy, graphs=True)[0]
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

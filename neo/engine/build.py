@@ -184,11 +184,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     asynchronous = offloading and config.host_pipeline in ("async", "auto")
     lockstep = not offloading or config.host_pipeline in ("lockstep", "auto")
     graph_context = None
-    if (device.type == "cuda" and config.use_cuda_graphs and parallel.size > 1
-            and not config.tensor_parallel_cuda_graphs):
-        logger.warning("CUDA graphs are off: tensor_parallel_size %d runs every iteration eagerly "
-                       "(tensor_parallel_cuda_graphs captures the graphs across ranks)", parallel.size)
-    elif device.type == "cuda" and config.use_cuda_graphs:
+    if device.type == "cuda" and config.use_cuda_graphs:
         graph_context = min(max_model_len, config.cuda_graph_max_context)
         python_ops = ops_without_native_kernel("cuda")
         if python_ops:

@@ -15,9 +15,9 @@ steps (the GEMM row buckets: multiples of 32 above 64) would halve the graphs to
 start-up, but every padding row costs a replay its share of the GEMMs and the elementwise
 kernels, so batches between the coarser sizes would decode a little slower all the time.
 
-Under tensor parallelism (``EngineConfig.tensor_parallel_cuda_graphs``) the captured forward
-holds the model's collectives: every rank captures the same sizes in the same order at start-up,
-and replays whenever the driver's plan does, so the ranks meet in the same collectives.
+Under tensor parallelism the captured forward holds the model's collectives: every rank captures
+the same sizes in the same order at start-up, and replays whenever the driver's plan does, so
+the ranks meet in the same collectives.
 
 Every owner of graphs (these, each ``PipelineGraphs``) captures on a stream of its own. A
 captured cuBLAS GEMM keeps the workspace of the stream it was captured on (PyTorch keys the

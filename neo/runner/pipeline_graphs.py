@@ -242,7 +242,7 @@ class PipelineGraphs:
             if self.model.parallel.size > 1:
                 raise RuntimeError(f"capturing the pipelined decode iteration {shape} as CUDA graphs failed on "
                                    f"tensor-parallel rank {self.model.parallel.rank} ({error}); run with "
-                                   f"tensor_parallel_cuda_graphs off") from error
+                                   f"use_cuda_graphs off (--no-cuda-graphs)") from error
             self.enabled = False
             self.captures.clear()
             logger.warning("capturing the pipelined decode iteration %s as CUDA graphs failed (%s): "

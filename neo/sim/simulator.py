@@ -162,9 +162,8 @@ class Simulation:
         self.in_flight: HostBatchInFlight | None = None
         self.iteration_seconds: list[float] = []
         self.host_batches: list[HostBatchInFlight] = []
-        # Async scheduling as the engine resolves it on a GPU with one rank.
-        self.schedules_ahead = (config.async_scheduling if config.async_scheduling is not None
-                                else config.tensor_parallel_size == 1)
+        # Async scheduling as the engine resolves it on a GPU (on unless set off).
+        self.schedules_ahead = config.async_scheduling if config.async_scheduling is not None else True
 
     # -- times ---------------------------------------------------------------------------------
 
