@@ -30,7 +30,8 @@
 #   parts-tests  host batches in parts, async scheduling and the engine on CUDA (one GPU)
 #   tp-timeline  two GPUs: Llama-3.1-70B shapes under neo (graphs across ranks, async scheduling, the
 #                pool an H100 leaves), a torch.profiler timeline of iterations TIMELINE_ITERATIONS
-#                (default 300:330) on both ranks, compressed (files/timeline/*.json.xz)
+#                (default 300:330) on both ranks, compressed (files/timeline/*.json.xz), and their
+#                summary (benchmarks/timeline_summary.py: files/tp-timeline-summary.txt)
 #   tp-smoke     two GPUs: Llama-3.1-8B under neo with host batches (perf model zero, a small GPU
 #                pool, so most decodes run on the host), 64 requests, capped at 120 s: the async
 #                host pipeline's side group and its parts across ranks, before the long runs
@@ -201,6 +202,8 @@ stage_tp_timeline() {  # two GPUs: torch.profiler timelines of 70B neo iteration
     --workload synthetic:input=1000,output=300 --num-requests 100 --torch-profiler-dir "$out/files/timeline" \
     --torch-profile-iterations "${TIMELINE_ITERATIONS:-300:330}" --json > "$out/files/tp-timeline.json"
   xz -T0 -f "$out/files/timeline"/*.json 2>/dev/null
+  run tp-timeline-summary python3 benchmarks/timeline_summary.py "$out/files/timeline"/*.json.xz \
+    > "$out/files/tp-timeline-summary.txt"
 }
 
 stage_tp_tests() {  # two GPUs: tokens of two ranks against one (eager, graphs, graphs ahead)

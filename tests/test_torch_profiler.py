@@ -1,11 +1,13 @@
 """``LLM.start_profile`` / ``stop_profile``: a ``torch.profiler`` timeline of a stretch of serving
 from every rank (neo-tiny on the CPU; two ranks over gloo), ``neo bench``'s window of
-iterations, and the server's routes."""
+iterations, the server's routes, and ``benchmarks/timeline_summary.py`` over the traces."""
 
 import json
+import lzma
 
 import pytest
 
+from benchmark_modules import benchmark_module
 from engine_reference import BLOCK_BYTES, PROMPTS, gib_for_blocks
 from neo import LLM, EngineConfig, SamplingParams
 from neo.bench import run_offline_benchmark
@@ -103,3 +105,48 @@ def test_the_server_starts_and_stops_a_stretch_over_http(tmp_path):
     assert ITERATION_LABEL in operator_names(tmp_path / "trace-1-rank0.json")
     with live_server("neo-tiny", TINY_OPTIONS) as server:
         assert post(server, "/start_profile", {}).status_code == 404
+
+
+def test_the_timeline_summary_counts_a_real_runs_iterations(tmp_path):
+    """``benchmarks/timeline_summary.py`` over a CPU engine's trace (compressed as the GPU
+    session leaves it): the stretch's iterations, and no GPU stream."""
+    summary_module = benchmark_module("timeline_summary")
+    llm = LLM("neo-tiny", **engine_options(1, tmp_path))
+    try:
+        llm.start_profile()
+        llm.generate(PROMPTS[:2], PARAMS)
+        path = llm.stop_profile()[0]
+    finally:
+        llm.close()
+    with open(path, "rb") as source, lzma.open(path + ".xz", "wb") as target:
+        target.write(source.read())
+    summary = summary_module.summarize(path + ".xz")
+    assert summary["iterations"]["count"] == PARAMS.max_tokens  # one prefill, then a decode per token
+    assert summary["gpu_streams"] == {}
+    assert "iterations: 6 launches" in summary_module.format_summary(path, summary)
+
+
+def test_the_timeline_summary_splits_each_gpu_stream_by_kind(tmp_path):
+    """Kernel and copy events as the profiler writes them for a GPU (Chrome trace "X" events with
+    the device and stream in their arguments): busy time per stream by kind, and the NCCL
+    kernels' count and durations."""
+    def kernel(name, stream, start, duration, category="kernel"):
+        return dict(ph="X", cat=category, name=name, pid=0, tid=stream, ts=start, dur=duration,
+                    args=dict(device=0, stream=stream))
+
+    events = [kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 7, 0, 3000),
+              kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 7, 3000, 1000),
+              kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 7, 4000, 1000),
+              kernel("Memcpy DtoH (Device -> Pinned)", 13, 500, 250, category="gpu_memcpy"),
+              kernel("neo::paged_decode_attention_kernel", 13, 1000, 500),
+              dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", pid=1, tid=1, ts=0, dur=2000)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = benchmark_module("timeline_summary").summarize(str(path))
+    main, side = summary["gpu_streams"]["device 0 stream 7"], summary["gpu_streams"]["device 0 stream 13"]
+    assert main["span_ms"] == side["span_ms"] == pytest.approx(5.0)
+    assert main["busy_ms_by_kind"] == {"gemm": pytest.approx(1.0), "nccl": pytest.approx(4.0)}
+    assert (main["nccl_kernels"], main["nccl_mean_ms"], main["nccl_max_ms"]) == (2, pytest.approx(2.0),
+                                                                                 pytest.approx(3.0))
+    assert side["busy_ms_by_kind"] == {"attention": pytest.approx(0.5), "copy": pytest.approx(0.25)}
+    assert summary["host_calls"]["thread 1"]["longest_calls"]["cudaGraphLaunch"]["max_ms"] == pytest.approx(2.0)
