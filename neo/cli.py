@@ -166,6 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
 
     config = engine_config_from_args(args)
+    if args.torch_profile_iterations and not config.torch_profiler_dir:  # before a model loads for nothing
+        raise ValueError("--torch-profile-iterations needs --torch-profiler-dir: where to write the timelines")
     default_requests, default_workload = BENCH_DEFAULTS[config.compute_device.type]
     engine = LLMEngine(config)
     try:

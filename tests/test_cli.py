@@ -72,6 +72,8 @@ def test_help_shows_a_line_and_the_default_of_every_flag():
     (["bench", "--duration", "-1"], "--duration"),
     (["bench", "--duration", "0"], "--duration"),
     (["bench", "--num-requests", "0"], "--num-requests"),
+    (["bench", "--torch-profile-iterations", "5"], "--torch-profile-iterations"),
+    (["bench", "--torch-profile-iterations", "8:5"], "--torch-profile-iterations"),
     (["profile", "--seed", "1.5"], "--seed"),
 ])
 def test_a_bad_value_is_a_usage_error_of_one_line(arguments, flag, capsys):
@@ -81,6 +83,13 @@ def test_a_bad_value_is_a_usage_error_of_one_line(arguments, flag, capsys):
     error = capsys.readouterr().err
     assert error.startswith("usage: neo") and "Traceback" not in error
     assert error.rstrip("\n").splitlines()[-1].startswith(f"neo") and f"error: argument {flag}" in error
+
+
+def test_a_profile_window_without_a_directory_is_refused_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr("neo.engine.LLMEngine", None)  # building an engine would fail differently
+    assert main(["bench", "--device", "cpu", "--torch-profile-iterations", "5:8"]) == 2
+    assert capsys.readouterr().err == ("neo: error: --torch-profile-iterations needs --torch-profiler-dir: "
+                                       "where to write the timelines\n")
 
 
 @pytest.mark.parametrize("arguments, message", [
