@@ -106,6 +106,10 @@ def trace_statistics(trace: list[dict]) -> dict:
                    and not r["host_decodes"]]
     graphed = [r for r in decode_only if r["graph_replayed"]]
     eager = [r for r in decode_only if not r["graph_replayed"]]
+    # The same iterations while a host batch was in flight and while none was (async host
+    # pipeline): how much the batches slow the GPU's iterations, as the trace shows it.
+    graphed_beside = [r for r in graphed if r.get("beside_host_batch")]
+    graphed_alone = [r for r in graphed if r.get("beside_host_batch") is False]
     graph_errors = prediction_errors(graphed)
     # A host batch's attention hides under GPU work unless the engine had no GPU work and
     # waited for the batch.
@@ -137,6 +141,8 @@ def trace_statistics(trace: list[dict]) -> dict:
         "eager_decode_iterations": len(eager),
         "median_eager_decode_s": median_of(eager, "measured_seconds"),
         "median_graph_decode_relative_error": statistics.median(graph_errors) if graph_errors else None,
+        "median_graph_decode_beside_host_batch_s": median_of(graphed_beside, "measured_seconds"),
+        "median_graph_decode_alone_s": median_of(graphed_alone, "measured_seconds"),
         "prefill_iterations": len(prefills),
         "median_prefill_s": median_of(prefills, "measured_seconds"),
         "median_prefill_gpu_busy_s": median_of(prefills, "gpu_busy_seconds"),

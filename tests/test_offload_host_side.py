@@ -54,3 +54,18 @@ def test_no_host_batches_no_host_side(offload, tmp_path):
     records, _ = traced_run(tmp_path, "gpu-only")
     assert all(r["host_context_tokens"] == 0 for r in records)
     assert offload.host_side(records, 1024) is None
+
+
+def test_each_decode_iteration_says_whether_a_host_batch_was_in_flight(offload, tmp_path):
+    """Under the async host pipeline a decode-only iteration's record (no prefill, no swap) says
+    whether it was planned beside a host batch; prefills say nothing, nor does gpu-only. The
+    statistics split the graph-replayed decodes by it (none replay on the CPU)."""
+    records, _ = traced_run(tmp_path, "neo")
+    iterations = [r for r in records if not r["host_batch"]]
+    assert all(r["beside_host_batch"] is None for r in iterations if r["prefill_tokens"])
+    assert any(r["beside_host_batch"] is True for r in iterations if not r["prefill_tokens"])
+    statistics = offload.trace_statistics(records)
+    assert statistics["median_graph_decode_beside_host_batch_s"] is None
+    assert statistics["median_graph_decode_alone_s"] is None
+    records, _ = traced_run(tmp_path, "gpu-only")
+    assert all(r["beside_host_batch"] is None for r in records)

@@ -616,7 +616,8 @@ class LLMEngine:
             host_busy_seconds=output.host_seconds, gpu_busy_seconds=output.gpu_busy_seconds,
             schedule_seconds=schedule_seconds, graph_replayed=output.replayed_graph,
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before),
-            host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes)))
+            host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes),
+            beside_host_batch=plan.interference_sample[1] if plan.interference_sample is not None else None))
 
     def start_profile(self) -> None:
         """Start recording a ``torch.profiler`` timeline on every rank
