@@ -21,9 +21,10 @@ import lzma
 import statistics
 from collections import defaultdict
 
+from neo.runner.model_runner import ITERATION_LABEL
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
-ITERATION_LABEL = "neo.iteration"  # neo.runner.model_runner.ITERATION_LABEL
 TOP_HOST_CALLS = 5
 
 
