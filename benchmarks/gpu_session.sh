@@ -11,8 +11,8 @@
 #   kernels      CUDA kernel benchmark (vs SDPA, vs copy bandwidth) and the CPU decode-attention
 #                benchmark (ISPC / numba / SDPA vs read bandwidth, all host threads)
 #   engine-tests the engine on CUDA: the host stage and pipeline graphs, float32 tokens vs CPU and
-#                transformers, bf16 logits, the model families, stage orders, CPU attention kernels
-#                and the op registry
+#                transformers, bf16 logits, the model families, stage orders, CPU attention kernels,
+#                the op registry, and the hardware work queues a CUDA engine asks for
 #   engine       gpu-only Llama-3.1-8B: decode iterations vs roofline (async scheduling on, then off),
 #                offline throughput
 #   handoff      cost of one layer's host attention inside the engine vs alone (8B, 32B shapes;
@@ -149,7 +149,8 @@ stage_kernels() {
 stage_engine_tests() {
   run engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_host_stage.py tests/test_pipeline_graphs.py \
     tests/test_gpu_engine.py tests/test_model_families.py tests/test_stage_order.py tests/test_cpu_attention_kernel.py \
-    tests/test_register_kernel.py tests/test_op_registry.py --junitxml="$out/files/engine-tests.xml"
+    tests/test_register_kernel.py tests/test_op_registry.py tests/test_hardware_queues.py \
+    --junitxml="$out/files/engine-tests.xml"
 }
 
 stage_engine() {  # the roofline with async scheduling and without it, then offline throughput

@@ -18,6 +18,7 @@ from neo.sched.runner_output import HostBatchOutput, IterationOutput
 from neo.sched.scheduler_output import SchedulerOutput
 
 from .build import build
+from .hardware_queues import request_hardware_queues
 from .metrics import EngineMetrics, IterationRecord, IterationTrace
 from .parallel_sampling import ParentRequest, child_params, child_request_id
 from .rank_workers import RankWorkers
@@ -64,6 +65,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.device is None or torch.device(config.device).type == "cuda":
+            request_hardware_queues()  # before this process's CUDA context exists
         self.device = config.compute_device
         startup = StartupPhases(self.device)
         self.rank_workers = None

@@ -41,6 +41,11 @@ never waits on the driver. A model of at most ``layers_per_part`` layers has one
 tokens are copied to pinned memory behind an event that ``collect`` polls; the batch's
 ``started``/``ended`` timing events bracket all its parts.
 
+While a part waits in a host function, the GPU's hardware work queue that holds it waits too,
+and so does every stream that shares that queue: the engine asks the driver for as many queues as
+it grants (``neo.engine.hardware_queues``), so that the compute stream's iterations do not wait
+behind the batch's host attention.
+
 A batch with no graph (contexts beyond the graphs' limit, graphs off, or no CUDA) is
 walked eagerly in the same parts (``EagerParts``: the executor's ``forward_layers`` over each
 part's layers), queued by the same rule, so an eager launch holds the engine's thread no longer
