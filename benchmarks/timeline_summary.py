@@ -1,12 +1,20 @@
 """Summarize the torch.profiler timelines of ``LLM.stop_profile()`` (``neo.engine.torch_profiler``).
 
 For each rank's Chrome trace (``.json``, or ``.json.xz`` as ``gpu_session.sh tp-timeline``
-leaves them) it reports where the time went, in three views:
+leaves them) it reports where the time went, in four views:
 
-- **GPU streams**: per stream, the kernels' and copies' busy time over the recorded span, split
-  into NCCL collectives, GEMMs, attention, copies and the rest, with the NCCL kernels' count,
-  mean and longest duration. A collective that waits for another rank shows as NCCL kernels far
-  longer than their bytes need.
+- **GPU streams**: per stream, the busy time of the kernels and copies launched one by one (not
+  from a graph) over the recorded span, split into NCCL collectives, GEMMs, attention, copies
+  and the rest, with the NCCL kernels' count, mean and longest duration. A collective that
+  waits for another rank shows as NCCL kernels far longer than their bytes need.
+- **Graph replays**: a replayed CUDA graph of several branches has its work reported on streams
+  the driver made for the branches, not on the stream it was launched on, so graph work is
+  grouped by its launch instead (the GPU events that share a ``cudaGraphLaunch``'s correlation id), and the replays by
+  their count of GPU operations (one captured graph each, as a rule): how many, the time from
+  the launch call to the graph's first operation, the span from its first operation to its last,
+  and the busy time by kind. A launch-to-start time far above what was queued before it means
+  the stream waited: behind a host function of another stream in a shared hardware work queue
+  (``neo.engine.hardware_queues``), for instance.
 - **CUDA calls on the host**: per thread, the runtime and driver calls that held it longest
   (a graph launch that waits for the driver's queue of host functions, a synchronization).
 - **Iterations**: the ``neo.iteration`` ranges (each iteration's launch): their count and mean
@@ -25,6 +33,7 @@ from neo.runner.model_runner import ITERATION_LABEL
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
+GRAPH_LAUNCH = "cudaGraphLaunch"
 TOP_HOST_CALLS = 5
 
 
@@ -50,30 +59,83 @@ def kind_of(event: dict) -> str:
     return "other"
 
 
+def correlation(event: dict):
+    return event.get("args", {}).get("correlation")
+
+
+def graph_work(events: list[dict]) -> tuple[dict, dict]:
+    """The graph launches by correlation id, and the GPU events each launched (by the same id)."""
+    launches = {correlation(event): event for event in events
+                if event["name"] == GRAPH_LAUNCH and event.get("cat") in HOST_CALL_CATEGORIES
+                and correlation(event) is not None}
+    replays = defaultdict(list)
+    for event in events:
+        if event.get("cat") in GPU_CATEGORIES and correlation(event) in launches:
+            replays[correlation(event)].append(event)
+    return launches, replays
+
+
+def busy_by_kind(gpu_events: list[dict]) -> dict[str, float]:
+    busy = defaultdict(float)
+    for event in gpu_events:
+        busy[kind_of(event)] += event["dur"] / 1e3
+    return dict(sorted(busy.items()))
+
+
 def gpu_streams(events: list[dict]) -> dict:
-    """Per (device, stream): busy milliseconds by kind, over the span of all GPU events, and the
-    NCCL kernels' count, mean and longest milliseconds."""
+    """Per (device, stream), of the GPU events not launched by a graph replay: busy milliseconds
+    by kind, over the span of all GPU events, and the NCCL kernels' count, mean and longest
+    milliseconds."""
     gpu = [event for event in events if event.get("cat") in GPU_CATEGORIES]
     if not gpu:
         return {}
     span_ms = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / 1e3
+    _, replays = graph_work(events)
     streams = defaultdict(list)
     for event in gpu:
+        if correlation(event) in replays:
+            continue
         args = event.get("args", {})
         streams[f"device {args.get('device', event['pid'])} stream {args.get('stream', event['tid'])}"].append(event)
     summary = {}
     for stream, stream_events in sorted(streams.items()):
-        busy = defaultdict(float)
-        for event in stream_events:
-            busy[kind_of(event)] += event["dur"] / 1e3
+        busy = busy_by_kind(stream_events)
         nccl = [event["dur"] / 1e3 for event in stream_events if kind_of(event) == "nccl"]
         summary[stream] = {
             "span_ms": span_ms,
             "busy_ms": sum(busy.values()),
-            "busy_ms_by_kind": dict(sorted(busy.items())),
+            "busy_ms_by_kind": busy,
             "nccl_kernels": len(nccl),
             "nccl_mean_ms": statistics.mean(nccl) if nccl else None,
             "nccl_max_ms": max(nccl) if nccl else None,
+        }
+    return summary
+
+
+def graph_replays(events: list[dict]) -> dict:
+    """Per count of GPU operations in a replay: the replays, the mean and longest milliseconds
+    from the launch call's start to the first operation's, and the mean span (first operation's
+    start to the last one's end) and busy milliseconds by kind."""
+    launches, replays = graph_work(events)
+    by_size = defaultdict(list)
+    for launch_id, operations in replays.items():
+        by_size[len(operations)].append((launches[launch_id], operations))
+    summary = {}
+    for size, group in sorted(by_size.items(), key=lambda item: -len(item[1])):
+        delays, spans, busy = [], [], defaultdict(float)
+        for launch, operations in group:
+            first = min(event["ts"] for event in operations)
+            delays.append((first - launch["ts"]) / 1e3)
+            spans.append((max(event["ts"] + event["dur"] for event in operations) - first) / 1e3)
+            for kind, milliseconds in busy_by_kind(operations).items():
+                busy[kind] += milliseconds / len(group)
+        summary[f"graphs of {size} GPU operations"] = {
+            "replays": len(group),
+            "mean_start_delay_ms": statistics.mean(delays),
+            "max_start_delay_ms": max(delays),
+            "mean_span_ms": statistics.mean(spans),
+            "mean_busy_ms": sum(busy.values()),
+            "mean_busy_ms_by_kind": dict(sorted(busy.items())),
         }
     return summary
 
@@ -112,7 +174,8 @@ def iterations(events: list[dict]) -> dict:
 
 def summarize(path: str) -> dict:
     events = load_events(path)
-    return {"gpu_streams": gpu_streams(events), "host_calls": host_calls(events), "iterations": iterations(events)}
+    return {"gpu_streams": gpu_streams(events), "graph_replays": graph_replays(events),
+            "host_calls": host_calls(events), "iterations": iterations(events)}
 
 
 def format_summary(path: str, summary: dict) -> str:
@@ -125,6 +188,12 @@ def format_summary(path: str, summary: dict) -> str:
         lines.append(f"  {stream}: busy {figures['busy_ms']:.1f} of {figures['span_ms']:.1f} ms ({kinds}); "
                      f"NCCL kernels {figures['nccl_kernels']}, mean {ms(figures['nccl_mean_ms'])} ms, "
                      f"longest {ms(figures['nccl_max_ms'])} ms")
+    for graph, figures in summary["graph_replays"].items():
+        kinds = ", ".join(f"{kind} {value:.1f}" for kind, value in figures["mean_busy_ms_by_kind"].items())
+        lines.append(f"  {graph}: {figures['replays']} replays, launch to start mean "
+                     f"{ms(figures['mean_start_delay_ms'])} ms (longest {ms(figures['max_start_delay_ms'])}), "
+                     f"span mean {ms(figures['mean_span_ms'])} ms, "
+                     f"busy mean {ms(figures['mean_busy_ms'])} ms ({kinds})")
     for thread, figures in summary["host_calls"].items():
         calls = "; ".join(f"{name} x{call['count']} {call['total_ms']:.1f} ms (longest {call['max_ms']:.2f})"
                           for name, call in figures["longest_calls"].items())

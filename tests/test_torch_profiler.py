@@ -150,3 +150,35 @@ def test_the_timeline_summary_splits_each_gpu_stream_by_kind(tmp_path):
                                                                                  pytest.approx(3.0))
     assert side["busy_ms_by_kind"] == {"attention": pytest.approx(0.5), "copy": pytest.approx(0.25)}
     assert summary["host_calls"]["thread 1"]["longest_calls"]["cudaGraphLaunch"]["max_ms"] == pytest.approx(2.0)
+
+
+def test_the_timeline_summary_groups_graph_replays_by_their_launch(tmp_path):
+    """A replayed graph's kernels land on the streams of its branches: the summary takes them out
+    of the per-stream view and groups them by the ``cudaGraphLaunch`` whose correlation id they
+    carry: replays per count of GPU operations, launch-to-start time, span and busy time."""
+    def operation(name, stream, start, duration, launch, category="kernel"):
+        return dict(ph="X", cat=category, name=name, pid=0, tid=stream, ts=start, dur=duration,
+                    args=dict(device=0, stream=stream, correlation=launch))
+
+    def launch(start, launch_id):
+        return dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", pid=1, tid=1, ts=start, dur=10,
+                    args=dict(correlation=launch_id))
+
+    events = [launch(0, 1), operation("nvjet_sm90_tst_128x32", 900, 1000, 2000, 1),
+              operation("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 901, 3000, 1000, 1),
+              launch(10000, 2), operation("nvjet_sm90_tst_128x32", 902, 40000, 2000, 2),
+              operation("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 903, 42000, 3000, 2),
+              operation("neo::paged_decode_attention_kernel", 7, 50000, 500, 3)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary_module = benchmark_module("timeline_summary")
+    summary = summary_module.summarize(str(path))
+    assert list(summary["gpu_streams"]) == ["device 0 stream 7"]
+    assert summary["gpu_streams"]["device 0 stream 7"]["busy_ms_by_kind"] == {"attention": pytest.approx(0.5)}
+    replays = summary["graph_replays"]["graphs of 2 GPU operations"]
+    assert replays["replays"] == 2
+    assert (replays["mean_start_delay_ms"], replays["max_start_delay_ms"]) == (pytest.approx(15.5), pytest.approx(30.0))
+    assert replays["mean_span_ms"] == pytest.approx(4.0)  # 3 and 5 ms
+    assert replays["mean_busy_ms_by_kind"] == {"gemm": pytest.approx(2.0), "nccl": pytest.approx(2.0)}
+    assert "graphs of 2 GPU operations: 2 replays, launch to start mean 15.50 ms (longest 30.00)" in \
+        summary_module.format_summary(str(path), summary)
