@@ -16,7 +16,7 @@ import sys
 
 from . import cli_values
 from .bench.workloads import WORKLOAD_FORMS
-from .config import HOST_PIPELINES, POLICIES, EngineConfig
+from .config import HOST_PIPELINES, POLICIES, RETURN_ORDERS, EngineConfig
 from .sched.placement import PLACEMENTS
 from .sched.stage_order import TWO_SUB_BATCH_ORDERS
 from .server.arguments import add_server_arguments
@@ -113,6 +113,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the lockstep pipeline's order of its two sub-batches through the layers")
     group.add_argument("--placement", default=None, choices=sorted(PLACEMENTS),
                        help="where host decodes go (default: the host pipeline's)")
+    group.add_argument("--return-order", default=defaults.return_order, choices=RETURN_ORDERS,
+                       help="which host-pool requests move back to the GPU pool first when it has room: "
+                            "oldest, or most-remaining (the most tokens left before max_tokens)")
     group.add_argument("--perf-model", default=defaults.perf_model,
                        help="stage-time table for the load-aware scheduler: auto (profile of this "
                             "machine, made on first use), zero, or a JSON path")

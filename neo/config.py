@@ -10,6 +10,7 @@ import torch
 POLICIES = ("gpu-only", "neo", "full-offload")
 HOST_PIPELINES = ("async", "lockstep", "auto")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+RETURN_ORDERS = ("oldest", "most-remaining")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,13 @@ class EngineConfig:
         (``neo.sched.stage_order``: "asymmetric" or "asymmetric-early-host").
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
         ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
+    return_order: under the offloading policies, which requests of the host pool move back to
+        the GPU pool first when it has room: "oldest" (first come, first served) or
+        "most-remaining" (the most tokens left before ``max_tokens`` first). A host request makes
+        a token per host batch, a GPU request one per iteration, so the requests decoding on the
+        host fall behind, and in a batch of requests that started together the last ones finish
+        alone on a GPU that is all but idle; giving the GPU's room to those with the most left
+        shortens that tail, while those near their end finish on the host.
     async_scheduling: plan and launch each iteration before the previous one's sampled tokens
         reach the host: its input ids are taken on the device from the previous iteration's
         samples, and the previous tokens are read, checked against the stop conditions and
@@ -99,6 +107,7 @@ class EngineConfig:
     cpu_attention_kernel: str = "auto"
     stage_order: str = "asymmetric"
     placement: str | None = None
+    return_order: str = "oldest"
     perf_model: str = "auto"
     trace_path: str | None = None
     torch_profiler_dir: str | None = None
@@ -112,6 +121,9 @@ class EngineConfig:
         if self.host_pipeline not in HOST_PIPELINES:
             raise ValueError(f"unknown host_pipeline {self.host_pipeline!r}; choose one of "
                              f"{', '.join(HOST_PIPELINES)}")
+        if self.return_order not in RETURN_ORDERS:
+            raise ValueError(f"unknown return_order {self.return_order!r}; choose one of "
+                             f"{', '.join(RETURN_ORDERS)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")

@@ -41,12 +41,13 @@ def synthetic_model(linear_per_token: float, gpu_per_token: float, host_per_toke
 def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: PerfModel | None = None, *,
                    host_pipeline: str = "lockstep", placement: str | None = None, stage_order: str = "asymmetric",
                    max_num_seqs: int = 64, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                   host_prior: float = 1.0, graphs: bool = True, cuda_graph_max_context: int = 8192) -> Scheduler:
+                   host_prior: float = 1.0, graphs: bool = True, cuda_graph_max_context: int = 8192,
+                   return_order: str = "oldest") -> Scheduler:
     """By default the profile is taken as exact (calibration prior 1, nothing observed), and
     the runner has the CUDA graphs a CUDA engine of these limits captures (``graphs``)."""
     config = EngineConfig(policy=policy, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, host_pipeline=host_pipeline,
-                          cuda_graph_max_context=cuda_graph_max_context)
+                          cuda_graph_max_context=cuda_graph_max_context, return_order=return_order)
     manager = BlockManager(gpu_blocks, host_blocks, block_size)
     coverage = GraphCoverage()
     if graphs:

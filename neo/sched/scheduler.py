@@ -10,7 +10,8 @@ async pipeline's host batches, each with ``full_offload`` as a parameter. Each i
    room (where it decodes on, or, under gpu-only, waits as a preempted request to come back);
    otherwise it gives its blocks back and waits to be prefilled again.
 2. **Returns and admissions.** Requests on the host pool come back to the GPU pool while it has
-   room, oldest first; waiting requests are prefilled within the token budget, into the GPU
+   room, oldest first (under the offloading policies, with ``return_order="most-remaining"``,
+   those with the most tokens left first); waiting requests are prefilled within the token budget, into the GPU
    pool while it has room, else the host pool while the placement judges that more host
    decodes would pay. Where host decodes pay, admissions go first; where they do not (always
    under gpu-only), requests on the host come back first and new ones are admitted only once
@@ -63,6 +64,11 @@ def length_limit_reached(request: Request, token: int) -> str | None:
     """"length" once the request has its ``max_tokens``; the default finish rule (the engine
     passes one that also knows end-of-sequence tokens, stop strings and the context limit)."""
     return "length" if request.num_output_tokens >= request.sampling_params.max_tokens else None
+
+
+def tokens_left(request: Request) -> int:
+    """The most tokens ``request`` may still generate (its ``max_tokens`` less those it has)."""
+    return request.sampling_params.max_tokens - request.num_output_tokens
 
 
 class Scheduler:
@@ -237,8 +243,8 @@ class Scheduler:
             return []
         if self.host_decodes_pay:
             self._admit_prefills(batch0, self._token_budget(batch0, host_requests))
-            return self._return_to_gpu(host_requests, batch0, plan)
-        host_requests = self._return_to_gpu(host_requests, batch0, plan)
+            return self._return_host_requests(host_requests, batch0, plan)
+        host_requests = self._return_host_requests(host_requests, batch0, plan)
         if not host_requests:
             self._admit_prefills(batch0, self._token_budget(batch0, host_requests))
         return host_requests
@@ -246,6 +252,16 @@ class Scheduler:
     def _token_budget(self, batch0: SubBatch, host_requests: list[Request]) -> int:
         """Prefill tokens the iteration has room for beside its decodes."""
         return self.config.max_num_batched_tokens - len(batch0.gpu_decodes) - len(host_requests)
+
+    def _return_host_requests(self, host_requests: list[Request], batch0: SubBatch,
+                              plan: SchedulerOutput) -> list[Request]:
+        """``_return_to_gpu`` over the host requests (oldest first) in ``config.return_order``;
+        returns those left on the host, oldest first."""
+        if self.config.return_order == "oldest":
+            return self._return_to_gpu(host_requests, batch0, plan)
+        most_left_first = sorted(host_requests, key=tokens_left, reverse=True)  # stable: ties oldest first
+        left = {id(request) for request in self._return_to_gpu(most_left_first, batch0, plan)}
+        return [request for request in host_requests if id(request) in left]
 
     def _return_to_gpu(self, candidates: list[Request], batch0: SubBatch, plan: SchedulerOutput) -> list[Request]:
         """Move requests of the host pool back to the GPU pool, oldest first, while it has room

@@ -16,7 +16,7 @@ import sys
 
 from neo import cli_values
 from neo.bench.workloads import WORKLOAD_FORMS
-from neo.config import HOST_PIPELINES, POLICIES
+from neo.config import HOST_PIPELINES, POLICIES, RETURN_ORDERS
 from neo.sched.stage_order import TWO_SUB_BATCH_ORDERS
 
 from .hardware import FIELD_HELP, OVERRIDABLE, PRESETS, preset, with_overrides
@@ -55,6 +55,8 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--stage-order", default="asymmetric", help=f"one of {', '.join(TWO_SUB_BATCH_ORDERS)}")
     parser.add_argument("--placement", default=None,
                         help="where host decodes go (default: the host pipeline's)")
+    parser.add_argument("--return-order", default="oldest", choices=RETURN_ORDERS,
+                        help="which host-pool requests move back to the GPU pool first when it has room")
     parser.add_argument("--gpu-kv-cache-gib", type=cli_values.positive_number, default=None,
                         help="GPU KV pool, GiB (default: the GPU memory left by the weights)")
     parser.add_argument("--cpu-kv-cache-gib", type=cli_values.non_negative_number, default=None,
@@ -110,7 +112,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         raise ValueError(f"--policies must list some of {', '.join(POLICIES)}, got {args.policies!r}")
     return Scenario(model=args.model, hardware=hardware_from_args(args), workload=args.workload,
                     num_requests=args.num_requests, policies=policies, host_pipeline=args.host_pipeline,
-                    stage_order=args.stage_order, placement=args.placement, gpu_kv_cache_gib=args.gpu_kv_cache_gib,
+                    stage_order=args.stage_order, placement=args.placement, return_order=args.return_order,
+                    gpu_kv_cache_gib=args.gpu_kv_cache_gib,
                     cpu_kv_cache_gib=args.cpu_kv_cache_gib, max_model_len=args.max_model_len,
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -28,6 +28,7 @@ class Scenario:
     host_pipeline: str = "async"
     stage_order: str = "asymmetric"
     placement: str | None = None
+    return_order: str = "oldest"
     gpu_kv_cache_gib: float | None = None
     cpu_kv_cache_gib: float | None = None  # None: half the host's memory
     max_model_len: int | None = None
@@ -45,7 +46,8 @@ class Scenario:
         cpu_gib = self.cpu_kv_cache_gib if self.cpu_kv_cache_gib is not None else self.hardware.host_memory_gib / 2
         return EngineConfig(model=self.model, policy=policy, host_pipeline=self.host_pipeline,
                             stage_order=self.stage_order, placement=self.placement,
-                            gpu_kv_cache_gib=self.gpu_kv_cache_gib, cpu_kv_cache_gib=float(cpu_gib),
+                            return_order=self.return_order, gpu_kv_cache_gib=self.gpu_kv_cache_gib,
+                            cpu_kv_cache_gib=float(cpu_gib),
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.hardware.dtype,
