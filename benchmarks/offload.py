@@ -26,7 +26,8 @@ host attention time (decode-only iterations: a check of the profiled table, whic
 scheduler corrects online), and, for
 two-sub-batch iterations, how much of the host attention hid under GPU work (1 - GPU idle /
 host busy) and the GPU idle time; for the host batches of the async host pipeline
-(``--host-pipelines lockstep,async`` runs each offloading policy both ways), their number,
+(``--host-pipelines lockstep,async`` runs each offloading policy both ways, ``--return-orders
+oldest,most-remaining`` under both orders of ``EngineConfig.return_order``), their number,
 prediction error, and how much of their host attention hid under GPU work (1 - the time steps
 with no GPU work waited for them / host busy). For host batches it also reports the host side
 against its bound: host decode tokens per second of host-batch time, and the bound, the host's
@@ -52,6 +53,7 @@ import tempfile
 
 from neo import EngineConfig, LLMEngine
 from neo.bench import release_device_memory, run_offline_benchmark
+from neo.config import RETURN_ORDERS
 from neo.runner.host_worker import default_cpu_attention_threads
 from read_probe import measure_read_bandwidth
 
@@ -167,8 +169,12 @@ def host_side(trace: list[dict], kv_bytes_per_token: int) -> dict | None:
 
 
 def policy_label(config: EngineConfig) -> str:
-    """The policy, with ``/async`` under the async host pipeline."""
-    return config.policy + ("/async" if config.policy != "gpu-only" and config.host_pipeline == "async" else "")
+    """The policy, with ``/async`` under the async host pipeline and ``/most-remaining`` when host
+    requests return to the GPU pool in that order."""
+    if config.policy == "gpu-only":
+        return config.policy
+    return (config.policy + ("/async" if config.host_pipeline == "async" else "")
+            + ("/most-remaining" if config.return_order == "most-remaining" else ""))
 
 
 def save_trace(directory: str, config: EngineConfig, workload: str, records: list[dict]) -> str:
@@ -219,6 +225,9 @@ def main() -> None:
     parser.add_argument("--policies", default=None, help="comma-separated subset of gpu-only,neo,full-offload")
     parser.add_argument("--host-pipelines", default="async",
                         help="comma-separated host pipelines (lockstep, async) to run each offloading policy with")
+    parser.add_argument("--return-orders", default="oldest",
+                        help="comma-separated return orders (oldest, most-remaining) to run each offloading "
+                             "policy with")
     parser.add_argument("--workloads", default=None, help="';'-separated workloads instead of the scenario's")
     parser.add_argument("--threads", default=None,
                         help="comma-separated host attention thread counts instead of the scenario's")
@@ -277,18 +286,24 @@ def main() -> None:
     pipelines = args.host_pipelines.split(",")
     thread_counts = ([int(count) for count in args.threads.split(",")] if args.threads
                      else scenario.get("threads", (None,)))
-    runs_to_make = [(policy, threads, pipeline) for policy in policies
+    orders = args.return_orders.split(",")
+    unknown = [order for order in orders if order not in RETURN_ORDERS]
+    if unknown:
+        parser.error(f"--return-orders: unknown {', '.join(unknown)}; choose from {', '.join(RETURN_ORDERS)}")
+    runs_to_make = [(policy, threads, pipeline, order) for policy in policies
                     for threads in (thread_counts if policy != "gpu-only" else (None,))
-                    for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])]
+                    for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])
+                    for order in (orders if policy != "gpu-only" else ["oldest"])]
     probes = {}  # host attention threads -> GB/s, measured before any engine holds memory
     if args.read_probe_gib > 0:
-        for threads in {threads or default_cpu_attention_threads() for policy, threads, _ in runs_to_make
+        for threads in {threads or default_cpu_attention_threads() for policy, threads, _, _ in runs_to_make
                         if policy != "gpu-only"}:
             probes[threads] = measure_read_bandwidth(int(args.read_probe_gib * (1 << 30)), threads)
             print(f"host read probe: {probes[threads]:.1f} GB/s on {threads} threads", flush=True)
     report["host_read_gbps"] = probes
-    for policy, threads, pipeline in runs_to_make:
-        config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads, host_pipeline=pipeline)
+    for policy, threads, pipeline, order in runs_to_make:
+        config = dataclasses.replace(base, policy=policy, cpu_attention_threads=threads, host_pipeline=pipeline,
+                                     return_order=order)
         label = policy_label(config)
         print(f"{args.scenario}: {label}" + (f", {threads} host threads" if threads else ""), flush=True)
         for result in run_policy(config, workloads, args.num_requests, args.duration,

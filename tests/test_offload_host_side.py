@@ -1,5 +1,6 @@
 """The host side of ``benchmarks/offload.py``: the host batches' decode rate and the K/V bytes a
-host decode reads, from a real engine's trace (neo-tiny on the CPU, async host pipeline)."""
+host decode reads, from a real engine's trace (neo-tiny on the CPU, async host pipeline); and
+the label each run is reported under."""
 
 import dataclasses
 
@@ -69,3 +70,10 @@ def test_each_decode_iteration_says_whether_a_host_batch_was_in_flight(offload, 
     assert statistics["median_graph_decode_alone_s"] is None
     records, _ = traced_run(tmp_path, "gpu-only")
     assert all(r["beside_host_batch"] is None for r in records)
+
+
+def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):
+    assert offload.policy_label(EngineConfig(policy="gpu-only")) == "gpu-only"
+    assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="lockstep")) == "neo"
+    assert offload.policy_label(EngineConfig(policy="neo")) == "neo/async"
+    assert offload.policy_label(EngineConfig(policy="neo", return_order="most-remaining")) == "neo/async/most-remaining"
