@@ -53,8 +53,9 @@ class Hardware:
     # the previous tokens, scheduling, building inputs, launching. Per step, and per request.
     sync_step_us: float = 0.0
     sync_step_request_us: float = 0.0
-    # GPU iterations beside a host batch run at least this many times slower (its host threads
-    # share the host with the launching thread; measured on the H100 with 32B shapes).
+    # GPU iterations beside a host batch run at least this many times slower (its own GPU stages
+    # share the GPU with them, its host threads the host with the launching thread; measured on
+    # the H100 with 32B shapes, before the engine asked for 32 hardware work queues).
     host_batch_slowdown: float = 1.10
     # Host functions the CUDA driver queues on a stream before a launch waits for earlier ones
     # to run: launching a host batch's graph of one host function per layer returns once no
