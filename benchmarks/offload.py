@@ -208,9 +208,12 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                 if traces_directory is not None:
                     result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
+                ends = result["head_and_tail_s"]
                 print(f"  {workload}: {result['output_tokens_per_s']:.1f} output tokens/s end to end"
                       f"{' (cut short)' if result['cut_short'] else ''}, "
-                      f"{result['steady_output_tokens_per_s']:.1f} steady; trace {result['trace']}", flush=True)
+                      f"{result['steady_output_tokens_per_s']:.1f} steady"
+                      + (f"; first / last 10% of the tokens in {ends[0]:.2f} / {ends[1]:.2f} s" if ends else "")
+                      + f"; trace {result['trace']}", flush=True)
                 results.append(result)
         finally:
             engine.close()
@@ -320,7 +323,7 @@ def main() -> None:
     print(f"\n{args.scenario} on {report['device']} ({report['date']})")
     print("output tokens/s end to end (* cut short at --duration: over what ran) and in the steady window, "
           "each also over gpu-only's")
-    print(f"{'workload':<34} {'policy':<19} {'thr':>4} {'e2e tok/s':>11} {'vs g-o':>7} {'steady tok/s':>13} "
+    print(f"{'workload':<34} {'policy':<25} {'thr':>4} {'e2e tok/s':>11} {'vs g-o':>7} {'steady tok/s':>13} "
           f"{'vs g-o':>7} {'2-batch':>8} {'host b.':>8} {'pred err':>9} {'b. err':>7} {'host m/p':>9} {'hidden':>7}")
     for run in runs:
         baseline = next((r for r in runs if r["policy"] == "gpu-only" and r["workload"] == run["workload"]), None)
@@ -340,7 +343,7 @@ def main() -> None:
         def shown(value, digits):
             return "-" if value is None else f"{value:.{digits}f}"
 
-        print(f"{run['workload']:<34} {run['policy']:<19} {run['threads'] or '-':>4} "
+        print(f"{run['workload']:<34} {run['policy']:<25} {run['threads'] or '-':>4} "
               f"{end_to_end:>11} {over_baseline('output_tokens_per_s'):7.2f} "
               f"{run['steady_output_tokens_per_s']:13.1f} {over_baseline('steady_output_tokens_per_s'):7.2f} "
               f"{share:8.2f} {trace['host_batches']:8d} "
@@ -354,7 +357,7 @@ def main() -> None:
             bound = (f"{side['bound_tokens_per_s']:10.1f} {100 * side['share_of_bound']:5.0f}% "
                      f"({side['host_read_gbps']:.1f} GB/s / {side['kv_bytes_per_host_token'] / 1e6:.1f} MB)"
                      if "bound_tokens_per_s" in side else "  (no probe)")
-            print(f"{run['workload']:<34} {run['policy']:<19} {run['threads'] or '-':>4} "
+            print(f"{run['workload']:<34} {run['policy']:<25} {run['threads'] or '-':>4} "
                   f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s")
     print(f"written {path}")
 

@@ -2,7 +2,8 @@
 
 The headline is end to end: output and total (prompt + output) tokens per second from the
 first step to the last request's end. The steady window (``steady_throughput``) follows,
-second. A run cut short by ``duration`` says so in its headline."""
+second, then how long the run's first and last 10% of output tokens took
+(``head_and_tail_seconds``). A run cut short by ``duration`` says so in its headline."""
 
 import dataclasses
 import gc
@@ -54,6 +55,19 @@ def steady_throughput(log: list[tuple[float, int]], cut_short: bool) -> float:
     if end[0] <= start[0]:
         return 0.0
     return (end[1] - start[1]) / (end[0] - start[0])
+
+
+def head_and_tail_seconds(log: list[tuple[float, int]], cut_short: bool) -> tuple[float, float] | None:
+    """How long a finished run took to make its first 10% of output tokens (the prefill-heavy
+    start) and its last 10% (the draining tail), from the same ``log`` as ``steady_throughput``;
+    None for a run cut short or with no output. Where a policy loses end to end but not in the
+    steady window, these say at which end."""
+    if cut_short or not log or log[-1][1] == 0:
+        return None
+    total = log[-1][1]
+    head_end = next(entry[0] for entry in log if entry[1] >= 0.1 * total)
+    tail_start = next(entry[0] for entry in log if entry[1] >= 0.9 * total)
+    return head_end, log[-1][0] - tail_start
 
 
 class ProfiledWindow:
@@ -158,6 +172,7 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "steady_output_tokens_per_s": steady_throughput(log, cut_short),
+        "head_and_tail_s": head_and_tail_seconds(log, cut_short),
         "cut_short": cut_short,
         "torch_profiler_traces": profiled.traces,
         "finished_requests": finished,
@@ -177,10 +192,15 @@ def run_offline_benchmark(config: EngineConfig, workload: str, num_requests: int
     else:
         headline = f"end to end, every request run to completion in {elapsed:.1f} s: {headline}"
         window = "between 10% and 90% of the output tokens"
+    ends = ""
+    if result["head_and_tail_s"] is not None:
+        head, tail = result["head_and_tail_s"]
+        ends = f"  first 10% of the output tokens in {head:.2f} s, last 10% in {tail:.2f} s\n"
     result["summary"] = (
         f"{config.model} [{config.policy}] on {result['device']}, {workload}, {len(requests)} requests\n"
         f"  {headline}\n"
         f"  steady window ({window}): {result['steady_output_tokens_per_s']:.1f} output tokens/s\n"
+        f"{ends}"
         f"  KV pools: GPU {result['gpu_kv_pool_gib']:.2f} GiB (peak used {result['gpu_kv_peak_gib']:.2f}), "
         f"host {result['cpu_kv_pool_gib']:.2f} GiB (peak used {result['cpu_kv_peak_gib']:.2f})\n"
         f"  iterations {metrics['iterations']}, two-sub-batch {metrics['two_batch_iterations']}, "
