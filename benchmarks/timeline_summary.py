@@ -9,12 +9,12 @@ leaves them) it reports where the time went, in four views:
   waits for another rank shows as NCCL kernels far longer than their bytes need.
 - **Graph replays**: a replayed CUDA graph of several branches has its work reported on streams
   the driver made for the branches, not on the stream it was launched on, so graph work is
-  grouped by its launch instead (the GPU events that share a ``cudaGraphLaunch``'s correlation id), and the replays by
-  their count of GPU operations (one captured graph each, as a rule): how many, the time from
-  the launch call to the graph's first operation, the span from its first operation to its last,
-  and the busy time by kind. A launch-to-start time far above what was queued before it means
-  the stream waited: behind a host function of another stream in a shared hardware work queue
-  (``neo.engine.hardware_queues``), for instance.
+  grouped by its launch instead (the GPU events that share a ``cudaGraphLaunch``'s correlation
+  id), and the replays by their count of GPU operations (one captured graph each, as a rule):
+  how many, the time from the launch call to the graph's first operation, the span from its
+  first operation to its last, and the busy time by kind. A launch-to-start time far above what
+  was queued before it means the stream waited: behind a host function of another stream in a
+  shared hardware work queue (``neo.engine.hardware_queues``), for instance.
 - **CUDA calls on the host**: per thread, the runtime and driver calls that held it longest
   (a graph launch that waits for the driver's queue of host functions, a synchronization).
 - **Iterations**: the ``neo.iteration`` ranges (each iteration's launch): their count and mean
@@ -82,15 +82,14 @@ def busy_by_kind(gpu_events: list[dict]) -> dict[str, float]:
     return dict(sorted(busy.items()))
 
 
-def gpu_streams(events: list[dict]) -> dict:
-    """Per (device, stream), of the GPU events not launched by a graph replay: busy milliseconds
-    by kind, over the span of all GPU events, and the NCCL kernels' count, mean and longest
-    milliseconds."""
+def gpu_streams(events: list[dict], replays: dict) -> dict:
+    """Per (device, stream), of the GPU events not launched by a graph replay (``replays``, as
+    ``graph_work`` gives them): busy milliseconds by kind, over the span of all GPU events, and
+    the NCCL kernels' count, mean and longest milliseconds."""
     gpu = [event for event in events if event.get("cat") in GPU_CATEGORIES]
     if not gpu:
         return {}
     span_ms = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / 1e3
-    _, replays = graph_work(events)
     streams = defaultdict(list)
     for event in gpu:
         if correlation(event) in replays:
@@ -112,11 +111,11 @@ def gpu_streams(events: list[dict]) -> dict:
     return summary
 
 
-def graph_replays(events: list[dict]) -> dict:
-    """Per count of GPU operations in a replay: the replays, the mean and longest milliseconds
-    from the launch call's start to the first operation's, and the mean span (first operation's
-    start to the last one's end) and busy milliseconds by kind."""
-    launches, replays = graph_work(events)
+def graph_replays(launches: dict, replays: dict) -> dict:
+    """Per count of GPU operations in a replay (``launches`` and ``replays`` as ``graph_work``
+    gives them): the replays, the mean and longest milliseconds from the launch call's start to
+    the first operation's, and the mean span (first operation's start to the last one's end)
+    and busy milliseconds by kind."""
     by_size = defaultdict(list)
     for launch_id, operations in replays.items():
         by_size[len(operations)].append((launches[launch_id], operations))
@@ -174,7 +173,8 @@ def iterations(events: list[dict]) -> dict:
 
 def summarize(path: str) -> dict:
     events = load_events(path)
-    return {"gpu_streams": gpu_streams(events), "graph_replays": graph_replays(events),
+    launches, replays = graph_work(events)
+    return {"gpu_streams": gpu_streams(events, replays), "graph_replays": graph_replays(launches, replays),
             "host_calls": host_calls(events), "iterations": iterations(events)}
 
 

@@ -49,9 +49,7 @@ def steady_throughput(log: list[tuple[float, int]], cut_short: bool) -> float:
         start = next(entry for entry in log if entry[0] >= 0.2 * log[-1][0])
         end = log[-1]
     else:
-        total = log[-1][1]
-        start = next(entry for entry in log if entry[1] >= 0.1 * total)
-        end = next(entry for entry in log if entry[1] >= 0.9 * total)
+        start, end = _entry_at_share(log, 0.1), _entry_at_share(log, 0.9)
     if end[0] <= start[0]:
         return 0.0
     return (end[1] - start[1]) / (end[0] - start[0])
@@ -64,10 +62,12 @@ def head_and_tail_seconds(log: list[tuple[float, int]], cut_short: bool) -> tupl
     steady window, these say at which end."""
     if cut_short or not log or log[-1][1] == 0:
         return None
-    total = log[-1][1]
-    head_end = next(entry[0] for entry in log if entry[1] >= 0.1 * total)
-    tail_start = next(entry[0] for entry in log if entry[1] >= 0.9 * total)
-    return head_end, log[-1][0] - tail_start
+    return _entry_at_share(log, 0.1)[0], log[-1][0] - _entry_at_share(log, 0.9)[0]
+
+
+def _entry_at_share(log: list[tuple[float, int]], share: float) -> tuple[float, int]:
+    """The first entry of the run's ``log`` by which ``share`` of its output tokens were made."""
+    return next(entry for entry in log if entry[1] >= share * log[-1][1])
 
 
 class ProfiledWindow:
