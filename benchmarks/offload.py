@@ -108,6 +108,8 @@ def trace_statistics(trace: list[dict]) -> dict:
                    and not r["host_decodes"]]
     graphed = [r for r in decode_only if r["graph_replayed"]]
     eager = [r for r in decode_only if not r["graph_replayed"]]
+    # Of those, the iterations that also moved blocks between the pools.
+    swapping = [r for r in decode_only if r["blocks_swapped"]]
     # The same iterations while a host batch was in flight and while none was (async host
     # pipeline): how much the batches slow the GPU's iterations, as the trace shows it.
     graphed_beside = [r for r in graphed if r.get("beside_host_batch")]
@@ -142,6 +144,10 @@ def trace_statistics(trace: list[dict]) -> dict:
         "median_graph_decode_batch": median_of(graphed, "gpu_decodes"),
         "eager_decode_iterations": len(eager),
         "median_eager_decode_s": median_of(eager, "measured_seconds"),
+        "swap_decode_iterations": len(swapping),
+        "swap_decode_iterations_replayed": sum(r["graph_replayed"] for r in swapping),
+        "median_swap_decode_s": median_of(swapping, "measured_seconds"),
+        "median_swap_decode_blocks": median_of(swapping, "blocks_swapped"),
         "median_graph_decode_relative_error": statistics.median(graph_errors) if graph_errors else None,
         "median_graph_decode_beside_host_batch_s": median_of(graphed_beside, "measured_seconds"),
         "median_graph_decode_alone_s": median_of(graphed_alone, "measured_seconds"),

@@ -72,6 +72,8 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
     assert tokens == expected
     if setting == "gpu-only-preempting":
         assert metrics["blocks_swapped_out"] > 0 and metrics["blocks_swapped_in"] > 0
+        # decode-only plans that moved blocks copied them, then replayed a decode graph
+        assert (metrics["graph_swap_iterations"] > 0) == cuda_graphs
     if SETTINGS[setting]["policy"] == "gpu-only":
         return
     assert metrics["host_decode_tokens"] > 0
@@ -251,6 +253,26 @@ def test_host_failure_ends_its_request_with_an_error_and_frees_blocks(cuda_graph
         while engine.has_unfinished_requests():
             engine.step()
         assert survivor.num_output_tokens == 5
+    finally:
+        engine.close()
+
+
+def test_a_decode_graph_iteration_does_not_raise_an_earlier_host_failure():
+    """A failed host attention leaves its flag set after its error was raised; a decode graph
+    iteration after it (no host work of its own) must not read it as its own failure."""
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cuda", dtype="float32", policy="neo",
+                                    host_pipeline="lockstep", gpu_kv_cache_gib=gib_for_blocks(1024),
+                                    cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero"))
+    try:
+        request = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
+        engine.step()  # the prefill
+        engine.runner.executor.hand_off.failure[0] = 1  # as the failed iteration left it
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert engine.metrics.graph_iterations > 0
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        assert request.num_output_tokens == 5
     finally:
         engine.close()
 

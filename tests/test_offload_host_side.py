@@ -3,6 +3,7 @@ host decode reads, from a real engine's trace (neo-tiny on the CPU, async host p
 the label each run is reported under."""
 
 import dataclasses
+from statistics import median as statistics_median
 
 import pytest
 
@@ -17,9 +18,9 @@ def offload():
     return benchmark_module("offload")
 
 
-def traced_run(tmp_path, policy: str) -> tuple[list[dict], LLMEngine]:
+def traced_run(tmp_path, policy: str, gpu_blocks: int = 10) -> tuple[list[dict], LLMEngine]:
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", policy=policy, host_pipeline="async",
-                                    gpu_kv_cache_gib=gib_for_blocks(10), cpu_kv_cache_gib=gib_for_blocks(256),
+                                    gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
                                     perf_model="zero", max_num_seqs=8, trace_path=str(tmp_path / "trace.json")))
     try:
         for index, prompt in enumerate(PROMPTS):
@@ -77,3 +78,18 @@ def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):
     assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="lockstep")) == "neo"
     assert offload.policy_label(EngineConfig(policy="neo")) == "neo/async"
     assert offload.policy_label(EngineConfig(policy="neo", return_order="most-remaining")) == "neo/async/most-remaining"
+
+
+def test_iterations_that_move_blocks_are_counted_with_their_blocks(offload, tmp_path):
+    """gpu-only with a GPU pool too small for every request preempts to the host pool and
+    brings requests back: each record counts the blocks its plan moved, and the statistics
+    count the decode-only iterations among them (none replay a graph on the CPU)."""
+    records, engine = traced_run(tmp_path, "gpu-only", gpu_blocks=6)
+    metrics = engine.metrics
+    assert metrics.blocks_swapped_out > 0 and metrics.blocks_swapped_in > 0
+    assert sum(r["blocks_swapped"] for r in records) == metrics.blocks_swapped_out + metrics.blocks_swapped_in
+    swapping = [r for r in records if r["blocks_swapped"] and not r["prefill_tokens"] and not r["host_decodes"]]
+    statistics = offload.trace_statistics(records)
+    assert statistics["swap_decode_iterations"] == len(swapping) > 0
+    assert statistics["swap_decode_iterations_replayed"] == metrics.graph_swap_iterations == 0
+    assert statistics["median_swap_decode_blocks"] == statistics_median([r["blocks_swapped"] for r in swapping])

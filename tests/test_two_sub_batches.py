@@ -210,8 +210,9 @@ def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time
 
 @pytest.mark.parametrize("case", ["graph", "prefill", "swap", "no-graphs", "too-long"])
 def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
-    """A plan the runner replays from a CUDA graph (GPU decodes alone, no swaps, contexts within
-    the captured width) is estimated from the graph-decode table; any other from the stages."""
+    """A plan the runner replays from a CUDA graph (GPU decodes alone, contexts within the
+    captured width, with or without swaps, which the runner copies before the replay) is
+    estimated from the graph-decode table; any other from the stages."""
     model = synthetic_model(1e-4, 1e-7, 1e-6)
     model.table.graph_decode_requests, model.table.graph_decode_seconds = [1, 64], [2e-4, 2e-4]
     model.table.graph_decode_context = 16
@@ -229,17 +230,17 @@ def test_decode_only_plans_are_estimated_as_cuda_graph_replays(case):
     decodes = plan.sub_batches[0].gpu_decodes
     assert len(plan.sub_batches) == 1 and len(decodes) == 2
     graph = model.graph_decode(2, sum(r.num_tokens for r in decodes))
-    if case == "graph":
+    assert bool(plan.swap_in) == (case == "swap")
+    if case in ("graph", "swap"):
         assert plan.predicted_time == pytest.approx(graph)
     else:
         assert plan.predicted_time > 2 * graph
-        assert bool(plan.swap_in) == (case == "swap")
 
 
 @pytest.mark.parametrize("case", ["graph", "prefill", "swap", "no-graphs"])
 def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhead(case):
-    """The runner replays decode-only two-sub-batch plans without swaps from a pipeline graph:
-    their estimate takes the graph's pipeline overhead, any other the eager one."""
+    """The runner replays decode-only two-sub-batch plans from a pipeline graph (swaps copied
+    first): their estimate takes the graph's pipeline overhead, any other the eager one."""
     model = synthetic_model(1e-4, 1e-7, 1e-6)
     model.table.pipeline_overhead, model.table.pipeline_graph_overhead = 0.05, -0.002
     scheduler = make_scheduler("neo", 64, 64, model, graphs=case != "no-graphs")
@@ -256,7 +257,7 @@ def test_two_sub_batch_decode_plans_are_estimated_with_the_pipeline_graph_overhe
     plan = SchedulerOutput(sub_batches=[batch0, SubBatch(host_decodes=[host1])],
                            swap_in=[(0, 1)] if case == "swap" else [])
     seconds, host_seconds = scheduler.estimates.plan_time(plan)
-    overhead = -0.002 if case == "graph" else 0.05
+    overhead = -0.002 if case in ("graph", "swap") else 0.05
     work0 = scheduler.estimates.gpu_work(batch0)
     host = model.host_attention(1, 40)
     assert host_seconds == pytest.approx(2 * host)

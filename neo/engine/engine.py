@@ -577,6 +577,7 @@ class LLMEngine:
         metrics.iterations += 1
         metrics.two_batch_iterations += len([b for b in plan.sub_batches if b]) > 1
         metrics.graph_iterations += output.replayed_graph
+        metrics.graph_swap_iterations += output.replayed_graph and plan.has_swaps
         for batch in plan.sub_batches:
             metrics.prefill_tokens += batch.num_prefill_tokens
             metrics.gpu_decode_tokens += len(batch.gpu_decodes)
@@ -618,6 +619,7 @@ class LLMEngine:
             measured_seconds=output.seconds, launch_seconds=launch_seconds, queue_seconds=output.queue_seconds,
             host_busy_seconds=output.host_seconds, gpu_busy_seconds=output.gpu_busy_seconds,
             schedule_seconds=schedule_seconds, graph_replayed=output.replayed_graph,
+            blocks_swapped=len(plan.swap_out) + len(plan.swap_in),
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before),
             host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes),
             beside_host_batch=plan.interference_sample[1] if plan.interference_sample is not None else None))

@@ -11,6 +11,7 @@ class EngineMetrics:
     iterations: int = 0
     two_batch_iterations: int = 0
     graph_iterations: int = 0  # replayed from a captured CUDA graph
+    graph_swap_iterations: int = 0  # of those, plans that also moved blocks between the pools
     host_batches: int = 0  # host batches of the async host pipeline completed
     graph_host_batches: int = 0  # of those, replayed from captured CUDA graphs
     prefill_tokens: int = 0
@@ -49,6 +50,9 @@ class IterationRecord:
     gpu_busy_seconds: float | None
     schedule_seconds: float  # the scheduler's own time for this plan
     graph_replayed: bool  # replayed from a captured CUDA graph (decode-only, host decodes or not)
+    # Blocks the plan moved between the pools (both ways), copied before a replayed graph or
+    # beside an eager iteration's layers.
+    blocks_swapped: int = 0
     # Segments the device's caching allocator returned (cudaFree waits for the whole device,
     # host batches in flight included) during the step; None off CUDA.
     device_segments_freed: int | None = None

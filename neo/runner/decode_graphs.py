@@ -7,8 +7,9 @@ logits of the real rows are computed after the replay (one GEMM, its rows padded
 bucket), so the graphs keep only small hidden-state outputs alive (a captured ``[batch, vocab]``
 float32 output per size would hold several GiB at a few hundred sequences). Padding rows decode
 a dummy token (slot -1: nothing is stored; length 1 against block 0) whose logits are dropped.
-Used only for one sub-batch of GPU decodes, no swaps, and block tables no wider than the
-captured width (longer contexts run eagerly): the runner's ``GraphCoverage``.
+Used only for one sub-batch of GPU decodes with block tables no wider than the captured width
+(longer contexts run eagerly): the runner's ``GraphCoverage``. A plan's swaps are copied before
+the replay, on the same stream.
 
 The padded batch sizes are 1, 2, 4 and every multiple of 8 up to the largest batch. Coarser
 steps (the GEMM row buckets: multiples of 32 above 64) would halve the graphs to capture at

@@ -211,19 +211,27 @@ class ModelRunner:
                    for batch in sub_batches]
         requests = [request for inputs in batches for request in inputs.requests]
         logits = None
-        decode_graph = self.graph_coverage.replays_decode_graph(sub_batches, swaps)
+        decode_graph = self.graph_coverage.replays_decode_graph(sub_batches)
         order = plan.stage_order or self.stage_orders[len(batches)]
-        if decode_graph:
-            logits = self.decode_graphs.run(batches[0])
-        elif self.graph_coverage.replays_pipeline_graph(sub_batches, swaps):
+        shape = None
+        if not decode_graph and self.graph_coverage.replays_pipeline_graph(sub_batches):
             shape = self.pipeline_graphs.shape(batches)
-            if shape is not None:
-                logits = self.pipeline_graphs.run(batches, shape, order)
-                if logits is None:  # the capture failed: these iterations run eagerly from now on
-                    self.graph_coverage.pipeline_max_requests = 0
+        if swaps and (decode_graph or shape is not None):
+            self.swap(plan)  # a graph cannot wait for each layer's copies as the eager walk does
+            swaps = False
+        if decode_graph:
+            # No host work: clear the host failure an earlier iteration left (already raised),
+            # which ``collect`` and the ranks' reduction would otherwise read as this one's.
+            self.executor.prepare([])
+            logits = self.decode_graphs.run(batches[0])
+        elif shape is not None:
+            logits = self.pipeline_graphs.run(batches, shape, order)
+            if logits is None:  # the capture failed: these iterations run eagerly from now on
+                self.graph_coverage.pipeline_max_requests = 0
         replayed = logits is not None
         if logits is None:
-            logits = self.executor.run(batches, order, block_pairs(plan.swap_out), block_pairs(plan.swap_in))
+            copies = (plan.swap_out, plan.swap_in) if swaps else ([], [])  # none if copied above
+            logits = self.executor.run(batches, order, *map(block_pairs, copies))
         return logits, requests, decode_graph, replayed
 
     def launch_host_batch(self, batch: SubBatch) -> None:
@@ -284,6 +292,9 @@ class ModelRunner:
             self.host_batches.graphs = None
 
     def swap(self, plan: SchedulerOutput) -> None:
+        """Copy the plan's swapped blocks, every layer, on the current stream: work queued after
+        this (a graph replay, which cannot wait for them layer by layer as an eager walk does)
+        sees them moved."""
         swap_out, swap_in = block_pairs(plan.swap_out), block_pairs(plan.swap_in)
         for layer_index in range(self.kv_cache.layout.num_layers):
             self.kv_cache.swap_layer(layer_index, swap_out, swap_in)

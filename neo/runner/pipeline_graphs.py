@@ -3,7 +3,7 @@
 Queuing an iteration of the offloading pipeline costs the launching thread, per layer and
 sub-batch, the GPU stages' launches plus the host hand-off; on large models that can take as
 long as the GPU work itself, so small two-sub-batch iterations would run at the launching
-thread's pace with the GPU idle between launches. A decode-only iteration (no prefills, no swaps) is
+thread's pace with the GPU idle between launches. A decode-only iteration (no prefills) is
 instead captured once per padded shape, with everything the executor queues: both
 sub-batches' GPU stages on the compute stream, and on the copy stream each layer's copies to
 pinned memory, the host function (a graph host node) and the copy back, ordered by the same
@@ -179,8 +179,8 @@ class PipelineGraphs:
 
     def shape(self, batches: list[BatchInputs]) -> tuple[tuple[int, int], ...] | None:
         """The padded ``((G, C), ...)`` a plan's sub-batches replay with; None when the plan is
-        not a decode-only iteration with host decodes within the captured limits. (Swaps are
-        the caller's to exclude.)"""
+        not a decode-only iteration with host decodes within the captured limits. (A plan's
+        swaps are the caller's to copy before the replay.)"""
         if not self.enabled or not 1 <= len(batches) <= len(self.inputs):
             return None
         return graph_shape([inputs.metadata for inputs in batches], self.sizes, self.max_blocks)

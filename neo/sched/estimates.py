@@ -72,12 +72,10 @@ class Estimates:
                        model.gpu_attention(sum(r.num_tokens for r in batch.gpu_decodes))
                        + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
-    def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None,
-                        swaps: bool = False) -> float:
+    def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None) -> float:
         """One sub-batch in the sequential order. ``work`` and ``host`` (its host attention
-        seconds) when the caller has them already; ``swaps``: the plan also moves blocks
-        between the pools (no CUDA graph then)."""
-        graph = None if swaps else self.graph_time(batch)
+        seconds) when the caller has them already."""
+        graph = self.graph_time(batch)
         if graph is not None:
             return graph
         work = self.gpu_work(batch) if work is None else work
@@ -89,14 +87,14 @@ class Estimates:
     def graph_time(self, batch: SubBatch) -> float | None:
         """Seconds of a sub-batch of GPU decodes alone that the runner replays from a decode
         graph; None for any other sub-batch."""
-        if not self.coverage.replays_decode_graph([batch], swaps=False):
+        if not self.coverage.replays_decode_graph([batch]):
             return None
         return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
 
-    def replays_pipeline_graph(self, batch0: SubBatch, swaps: bool) -> bool:
+    def replays_pipeline_graph(self, batch0: SubBatch) -> bool:
         """Whether a two-sub-batch plan with this batch 0 is one the runner replays from a
-        pipeline graph (decode-only, no swaps)."""
-        return (not swaps and not batch0.prefills
+        pipeline graph (decode-only)."""
+        return (not batch0.prefills
                 and self.coverage.pipeline_graph(len(batch0.gpu_decodes), widest_gpu_table(batch0)))
 
     def sub_batch_times(self, work: GpuWork, host_decodes: int, host_seconds: float) -> StageTimes:
@@ -112,14 +110,13 @@ class Estimates:
     def plan_time(self, plan: SchedulerOutput) -> tuple[float, float]:
         """(estimated seconds of a plan's sub-batches, of which host attention)."""
         host = [self.host_time(batch) for batch in plan.sub_batches]
-        swaps = plan.has_swaps
         if len(plan.sub_batches) == 2:
             batch0, batch1 = plan.sub_batches
             times = [self.sub_batch_times(self.gpu_work(batch0), len(batch0.host_decodes), host[0]),
                      self.sub_batch_times(NO_GPU_WORK, len(batch1.host_decodes), host[1])]
-            seconds = self.two_sub_batch_time(times, self.replays_pipeline_graph(batch0, swaps))
+            seconds = self.two_sub_batch_time(times, self.replays_pipeline_graph(batch0))
         else:
-            seconds = self.sequential_time(plan.sub_batches[0], host=host[0], swaps=swaps) if plan.sub_batches else 0.0
+            seconds = self.sequential_time(plan.sub_batches[0], host=host[0]) if plan.sub_batches else 0.0
         return seconds, sum(host)
 
     def gpu_drain_time(self, gpu_requests: list[Request], waiting: list[Request], gpu_rate: float,

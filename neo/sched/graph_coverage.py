@@ -19,7 +19,9 @@ class GraphCoverage:
     - a pipeline graph covers one or two sub-batches of GPU and host decodes, at most
       ``pipeline_max_requests`` of each kind per sub-batch, with at least one host decode.
 
-    A maximum of 0 means no such graphs.
+    A maximum of 0 means no such graphs. A plan's swaps do not change what replays: the runner
+    queues a replayed plan's block copies ahead of the graph on the compute stream, so they do
+    not overlap its layers as an eager iteration's do (the simulator adds their time).
     """
 
     decode_max_requests: int = 0
@@ -36,17 +38,19 @@ class GraphCoverage:
         return (self.pipeline_max_requests > 0 and gpu_decodes <= self.pipeline_max_requests
                 and widest_blocks <= self.max_blocks)
 
-    def replays_decode_graph(self, batches: list[SubBatch], swaps: bool) -> bool:
-        """Whether the runner replays a decode graph for a plan of these sub-batches."""
-        if swaps or len(batches) != 1:
+    def replays_decode_graph(self, batches: list[SubBatch]) -> bool:
+        """Whether the runner replays a decode graph for a plan of these sub-batches (whatever
+        swaps the plan has: the runner copies those before the replay)."""
+        if len(batches) != 1:
             return False
         batch = batches[0]
         return not batch.prefills and not batch.host_decodes and self.decode_graph(len(batch.gpu_decodes),
                                                                                    widest_gpu_table(batch))
 
-    def replays_pipeline_graph(self, batches: list[SubBatch], swaps: bool) -> bool:
-        """Whether the runner replays a pipeline graph for a plan of these sub-batches."""
-        if swaps or not batches or not any(batch.host_decodes for batch in batches):
+    def replays_pipeline_graph(self, batches: list[SubBatch]) -> bool:
+        """Whether the runner replays a pipeline graph for a plan of these sub-batches (whatever
+        swaps the plan has, as for decode graphs)."""
+        if not batches or not any(batch.host_decodes for batch in batches):
             return False
         return all(not batch.prefills and len(batch.host_decodes) <= self.pipeline_max_requests
                    and self.pipeline_graph(len(batch.gpu_decodes), widest_gpu_table(batch)) for batch in batches)

@@ -19,6 +19,7 @@ COUNTER_HELP = {
     "iterations": "Engine iterations run.",
     "two_batch_iterations": "Iterations that ran two sub-batches (asymmetric pipeline).",
     "graph_iterations": "Iterations replayed from a captured CUDA graph.",
+    "graph_swap_iterations": "Iterations replayed from a captured CUDA graph that also moved KV blocks.",
     "host_batches": "Host decode batches of the async host pipeline completed.",
     "graph_host_batches": "Host decode batches replayed from captured CUDA graphs.",
     "prefill_tokens": "Prompt tokens prefilled.",

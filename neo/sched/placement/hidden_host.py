@@ -26,7 +26,7 @@ class HiddenHost(Placement):
     def place(self, scheduler, batch0: SubBatch, host_requests: list[Request], plan: SchedulerOutput) -> None:
         estimates = scheduler.estimates
         work0 = estimates.gpu_work(batch0)
-        graphed = estimates.replays_pipeline_graph(batch0, plan.has_swaps)
+        graphed = estimates.replays_pipeline_graph(batch0)
 
         def seconds(side0: list[Request], side1: list[Request], host: bool = True) -> float:
             """The iteration with these host decodes in sub-batch 0 and 1 (``host``: with

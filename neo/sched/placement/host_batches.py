@@ -116,14 +116,14 @@ class HostBatches(Placement):
             plan.stage_order = SEQUENTIAL
         plan.predicted_host_time = plan.profiled_host_time = 0.0
         self._launch_host_batch(scheduler, batch0, host_requests, plan)
-        swaps = plan.has_swaps
-        alone = estimates.sequential_time(batch0, swaps=swaps) if batch0 else 0.0
+        alone = estimates.sequential_time(batch0) if batch0 else 0.0
         slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight is not None:
             slowdown = self.interference.factor or 1 + (estimates.perf_model.linear(len(self.in_flight.requests))
                                                          / (self.in_flight.predicted_time + EPSILON))
         plan.predicted_time = alone * slowdown
-        decode_only = bool(batch0) and not batch0.prefills and not swaps
+        # A plan's block copies lengthen it beyond its estimate, so it is no sample of interference.
+        decode_only = bool(batch0) and not batch0.prefills and not plan.has_swaps
         plan.interference_sample = (alone, self.in_flight is not None) if decode_only else None
 
     def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],

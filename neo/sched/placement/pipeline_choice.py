@@ -93,7 +93,7 @@ class PipelineChoice(Placement):
         ``HostBatches`` would launch beside it, over that batch's span."""
         estimates = scheduler.estimates
         gpu_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
-        gpu_rate = gpu_tokens / (estimates.sequential_time(batch0, swaps=plan.has_swaps) + EPSILON) if batch0 else 0.0
+        gpu_rate = gpu_tokens / (estimates.sequential_time(batch0) + EPSILON) if batch0 else 0.0
         requests = self.asynchronous.host_batch_candidate(scheduler, batch0, host_requests, plan)
         if not requests:
             return gpu_rate

@@ -5,7 +5,7 @@
 
 The two go through the layers in the engine's two-sub-batch stage order (``asymmetric`` by
 default: per layer the GPU runs one sub-batch's linear stages while the host attends for the
-other), costed by ``neo.sched.cost``; a decode-only iteration without swaps, which the runner
+other), costed by ``neo.sched.cost``; a decode-only iteration, which the runner
 replays from a pipeline CUDA graph, with the graph's launch overhead. Host requests are taken
 oldest first (round robin); each goes to the sub-batch where the estimated iteration time grows
 least, and ``neo`` keeps the number of them that gives the highest estimated tokens per second,
@@ -65,16 +65,15 @@ class _Sides:
 class TwoSubBatches(Placement):
     def place(self, scheduler, batch0: SubBatch, host_requests: list[Request], plan: SchedulerOutput) -> None:
         estimates = scheduler.estimates
-        batch1 = self._place_host_decodes(scheduler, batch0, host_requests, swaps=plan.has_swaps)
+        batch1 = self._place_host_decodes(scheduler, batch0, host_requests)
         plan.sub_batches = [batch for batch in (batch0, batch1) if batch]
         plan.stage_order = estimates.two_sub_batch_order if len(plan.sub_batches) == 2 else SEQUENTIAL
         plan.predicted_time, plan.predicted_host_time = estimates.plan_time(plan)
         plan.profiled_host_time = plan.predicted_host_time / estimates.host_calibration.scale
 
-    def _place_host_decodes(self, scheduler, batch0: SubBatch, host_requests: list[Request], swaps: bool) -> SubBatch:
+    def _place_host_decodes(self, scheduler, batch0: SubBatch, host_requests: list[Request]) -> SubBatch:
         """Choose how many host requests decode (oldest first, round robin) and in which
-        sub-batch each goes, by estimated tokens per second (``swaps``: the plan moves blocks
-        between the pools)."""
+        sub-batch each goes, by estimated tokens per second."""
         estimates = scheduler.estimates
         batch1 = SubBatch()
         ordered = scheduler.oldest_first(host_requests)
@@ -89,10 +88,10 @@ class TwoSubBatches(Placement):
             return batch1
         sides = _Sides()
         work0 = estimates.gpu_work(batch0)
-        graphed = estimates.replays_pipeline_graph(batch0, swaps)
+        graphed = estimates.replays_pipeline_graph(batch0)
         base_tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         best_count = 0
-        best_rate = (base_tokens / (estimates.sequential_time(batch0, work0, swaps=swaps) + EPSILON)
+        best_rate = (base_tokens / (estimates.sequential_time(batch0, work0) + EPSILON)
                      if base_tokens else -1.0)
         for count, request in enumerate(ordered, start=1):
             rate = (base_tokens + count) / (self._add(estimates, work0, sides, request, graphed) + EPSILON)
