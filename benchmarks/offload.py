@@ -175,12 +175,12 @@ def host_side(trace: list[dict], kv_bytes_per_token: int) -> dict | None:
 
 
 def policy_label(config: EngineConfig) -> str:
-    """The policy, with ``/async`` under the async host pipeline and ``/most-remaining`` when host
-    requests return to the GPU pool in that order."""
+    """The policy, with ``/async`` under the async host pipeline and the return order where it
+    is not the default (``/oldest``)."""
     if config.policy == "gpu-only":
         return config.policy
     return (config.policy + ("/async" if config.host_pipeline == "async" else "")
-            + ("/most-remaining" if config.return_order == "most-remaining" else ""))
+            + (f"/{config.return_order}" if config.return_order != EngineConfig.return_order else ""))
 
 
 def save_trace(directory: str, config: EngineConfig, workload: str, records: list[dict]) -> str:
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--policies", default=None, help="comma-separated subset of gpu-only,neo,full-offload")
     parser.add_argument("--host-pipelines", default="async",
                         help="comma-separated host pipelines (lockstep, async) to run each offloading policy with")
-    parser.add_argument("--return-orders", default="oldest",
+    parser.add_argument("--return-orders", default=EngineConfig.return_order,
                         help="comma-separated return orders (oldest, most-remaining) to run each offloading "
                              "policy with")
     parser.add_argument("--workloads", default=None, help="';'-separated workloads instead of the scenario's")

@@ -64,8 +64,8 @@ class EngineConfig:
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
         ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
     return_order: under the offloading policies, which requests of the host pool move back to
-        the GPU pool first when it has room: "oldest" (first come, first served) or
-        "most-remaining" (the most tokens left before ``max_tokens`` first). A host request makes
+        the GPU pool first when it has room: "most-remaining" (the most tokens left before
+        ``max_tokens`` first; the default) or "oldest" (first come, first served). A host request makes
         a token per host batch, a GPU request one per iteration, so the requests decoding on the
         host fall behind, and in a batch of requests that started together the last ones finish
         alone on a GPU that is all but idle; giving the GPU's room to those with the most left
@@ -107,7 +107,7 @@ class EngineConfig:
     cpu_attention_kernel: str = "auto"
     stage_order: str = "asymmetric"
     placement: str | None = None
-    return_order: str = "oldest"
+    return_order: str = "most-remaining"
     perf_model: str = "auto"
     trace_path: str | None = None
     torch_profiler_dir: str | None = None

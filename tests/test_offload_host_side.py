@@ -77,7 +77,8 @@ def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):
     assert offload.policy_label(EngineConfig(policy="gpu-only")) == "gpu-only"
     assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="lockstep")) == "neo"
     assert offload.policy_label(EngineConfig(policy="neo")) == "neo/async"
-    assert offload.policy_label(EngineConfig(policy="neo", return_order="most-remaining")) == "neo/async/most-remaining"
+    assert offload.policy_label(EngineConfig(policy="neo", return_order="most-remaining")) == "neo/async"
+    assert offload.policy_label(EngineConfig(policy="neo", return_order="oldest")) == "neo/async/oldest"
 
 
 def test_iterations_that_move_blocks_are_counted_with_their_blocks(offload, tmp_path):

@@ -10,10 +10,10 @@ async pipeline's host batches, each with ``full_offload`` as a parameter. Each i
    room (where it decodes on, or, under gpu-only, waits as a preempted request to come back);
    otherwise it gives its blocks back and waits to be prefilled again.
 2. **Returns and admissions.** Requests on the host pool come back to the GPU pool while it has
-   room, oldest first (under the offloading policies with ``return_order="most-remaining"``,
-   those with the most tokens left first); waiting requests are prefilled within the token
-   budget, into the GPU pool while it has room, else the host pool while the placement judges
-   that more host decodes would pay. Where host decodes pay, admissions go first; where they do
+   room: under the offloading policies those with the most tokens left first
+   (``return_order="most-remaining"``, the default), else oldest first; waiting requests are
+   prefilled within the token budget, into the GPU pool while it has room, else the host pool
+   while the placement judges that more host decodes would pay. Where host decodes pay, admissions go first; where they do
    not (always under gpu-only), requests on the host come back first and new ones are admitted
    only once none is left there, as a gpu-only engine swaps in before it admits. Under gpu-only
    no request comes back in an iteration that had to evict one.

@@ -16,7 +16,7 @@ import sys
 
 from neo import cli_values
 from neo.bench.workloads import WORKLOAD_FORMS
-from neo.config import HOST_PIPELINES, POLICIES, RETURN_ORDERS
+from neo.config import HOST_PIPELINES, POLICIES, RETURN_ORDERS, EngineConfig
 from neo.sched.stage_order import TWO_SUB_BATCH_ORDERS
 
 from .hardware import FIELD_HELP, OVERRIDABLE, PRESETS, preset, with_overrides
@@ -55,7 +55,7 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--stage-order", default="asymmetric", help=f"one of {', '.join(TWO_SUB_BATCH_ORDERS)}")
     parser.add_argument("--placement", default=None,
                         help="where host decodes go (default: the host pipeline's)")
-    parser.add_argument("--return-order", default="oldest", choices=RETURN_ORDERS,
+    parser.add_argument("--return-order", default=EngineConfig.return_order, choices=RETURN_ORDERS,
                         help="which host-pool requests move back to the GPU pool first when it has room")
     parser.add_argument("--gpu-kv-cache-gib", type=cli_values.positive_number, default=None,
                         help="GPU KV pool, GiB (default: the GPU memory left by the weights)")

@@ -28,7 +28,7 @@ class Scenario:
     host_pipeline: str = "async"
     stage_order: str = "asymmetric"
     placement: str | None = None
-    return_order: str = "oldest"
+    return_order: str = EngineConfig.return_order
     gpu_kv_cache_gib: float | None = None
     cpu_kv_cache_gib: float | None = None  # None: half the host's memory
     max_model_len: int | None = None
