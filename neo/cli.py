@@ -18,7 +18,7 @@ from . import cli_values
 from .bench.workloads import WORKLOAD_FORMS
 from .config import HOST_PIPELINES, POLICIES, RETURN_ORDERS, EngineConfig
 from .sched.placement import PLACEMENTS
-from .sched.stage_order import TWO_SUB_BATCH_ORDERS
+from .sched.stage_order import HOST_BATCH_ORDERS, TWO_SUB_BATCH_ORDERS
 from .server.arguments import add_server_arguments
 from .sim.command import add_simulate_command
 
@@ -111,6 +111,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "`python -m neo.ops` lists (e.g. ispc, numba, reference)")
     group.add_argument("--stage-order", default=defaults.stage_order, choices=TWO_SUB_BATCH_ORDERS,
                        help="the lockstep pipeline's order of its two sub-batches through the layers")
+    group.add_argument("--host-batch-order", default=defaults.host_batch_order, choices=HOST_BATCH_ORDERS,
+                       help="the async host pipeline's order of a host batch through the layers: whole "
+                            "(host-batch), or in two halves the host and the GPU take turns on "
+                            "(host-batch-pair)")
     group.add_argument("--placement", default=None, choices=sorted(PLACEMENTS),
                        help="where host decodes go (default: the host pipeline's)")
     group.add_argument("--return-order", default=defaults.return_order, choices=RETURN_ORDERS,

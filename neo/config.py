@@ -61,6 +61,10 @@ class EngineConfig:
         in Python runs on a worker thread.
     stage_order: the order of the lockstep pipeline's two sub-batches through the layers
         (``neo.sched.stage_order``: "asymmetric" or "asymmetric-early-host").
+    host_batch_order: the order of the async host pipeline's batches through the layers:
+        "host-batch" (one sub-batch; the host waits for the batch's GPU stages between layers)
+        or "host-batch-pair" (two halves, asymmetric: the host attends for one half while the
+        GPU runs the other's stages, at the price of reading the weights once per half).
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
         ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
     return_order: under the offloading policies, which requests of the host pool move back to
@@ -106,6 +110,7 @@ class EngineConfig:
     pad_gemm_rows: bool | None = None
     cpu_attention_kernel: str = "auto"
     stage_order: str = "asymmetric"
+    host_batch_order: str = "host-batch"
     placement: str | None = None
     return_order: str = "most-remaining"
     perf_model: str = "auto"

@@ -35,6 +35,9 @@ SETTINGS = {
     "full-offload": dict(policy="full-offload", gpu_blocks=10),
     "neo-async": dict(policy="neo", gpu_blocks=10, host_pipeline="async"),
     "full-offload-async": dict(policy="full-offload", gpu_blocks=10, host_pipeline="async"),
+    "neo-async-pair": dict(policy="neo", gpu_blocks=10, host_pipeline="async", host_batch_order="host-batch-pair"),
+    "full-offload-async-pair": dict(policy="full-offload", gpu_blocks=10, host_pipeline="async",
+                                    host_batch_order="host-batch-pair"),
 }
 
 
@@ -43,12 +46,14 @@ def expected(tmp_path_factory):
     return greedy_continuations(transformers_tiny(str(tmp_path_factory.mktemp("neo-tiny"))))
 
 
-def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True, host_pipeline: str = "lockstep"):
+def generate(device: str, policy: str, gpu_blocks: int, cuda_graphs: bool = True, host_pipeline: str = "lockstep",
+             host_batch_order: str = "host-batch"):
     """Greedy tokens of PROMPTS, the engine's counters, and the pipeline graphs captured, as
     (stage order, shape) (those of the host batches under the async host pipeline)."""
     llm = LLM("neo-tiny", device=device, dtype="float32", policy=policy,
               gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
-              perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline)
+              perf_model="zero", max_num_seqs=8, use_cuda_graphs=cuda_graphs, host_pipeline=host_pipeline,
+              host_batch_order=host_batch_order)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         runner = llm.engine.runner
@@ -80,9 +85,11 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
     if SETTINGS[setting].get("host_pipeline") == "async":
         assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
         assert (metrics["graph_host_batches"] > 0) == cuda_graphs
-        if cuda_graphs:  # host batches replayed pipeline graphs of one sub-batch
-            assert captured and all(order == "host-batch" and len(shape) == 1 for order, shape in captured)
-        if setting == "neo-async":  # GPU decodes replayed decode graphs meanwhile
+        order = SETTINGS[setting].get("host_batch_order", "host-batch")
+        if cuda_graphs:  # host batches replayed pipeline graphs of their order's sub-batches
+            assert captured and all((name, len(shape)) in (("host-batch", 1), (order, 2)) for name, shape in captured)
+            assert any(name == order for name, _ in captured)
+        if setting.startswith("neo-async"):  # GPU decodes replayed decode graphs meanwhile
             assert (metrics["graph_iterations"] > 0) == cuda_graphs
     else:
         assert metrics["two_batch_iterations"] > 0

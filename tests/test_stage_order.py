@@ -11,7 +11,13 @@ from neo import LLM, EngineConfig, LLMEngine, SamplingParams
 from neo.request import KVLocation
 from neo.runner.batch_inputs import build_batch_inputs
 from neo.sched.scheduler_output import SubBatch
-from neo.sched.stage_order import STAGE_ORDERS, Stage
+from neo.sched.block_manager import BlockManager
+from neo.sched.calibration import HostTimeCalibration
+from neo.sched.cost import StageTimes, iteration_seconds
+from neo.sched.estimates import Estimates
+from neo.sched.graph_coverage import GraphCoverage
+from neo.sched.stage_order import ASYMMETRIC, HOST_BATCH, STAGE_ORDERS, Stage, host_batch_sub_batches
+from scheduler_harness import requests_of, synthetic_model
 
 NO_SWAPS = torch.empty((0, 2), dtype=torch.int64)
 NEW_TOKENS = 6
@@ -120,6 +126,81 @@ def test_the_engine_runs_two_sub_batch_iterations_in_the_selected_order(stage_or
         llm.close()
 
 
+
+
+@pytest.mark.parametrize("name", ["host-batch", "host-batch-pair"])
+@pytest.mark.parametrize("count", range(1, 10))
+def test_a_host_batch_splits_into_even_contiguous_sub_batches(name, count):
+    order, parts = host_batch_sub_batches(STAGE_ORDERS[name], count)
+    requests = list(range(count))
+    assert [request for part in parts for request in requests[part]] == requests
+    sizes = [len(requests[part]) for part in parts]
+    assert all(sizes) and sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1
+    if count < STAGE_ORDERS[name].num_sub_batches:
+        assert order is HOST_BATCH and len(parts) == 1
+    else:
+        assert order is STAGE_ORDERS[name] and len(parts) == order.num_sub_batches
+
+
+@pytest.mark.parametrize("host_batch_order", ["host-batch", "host-batch-pair"])
+def test_the_engine_runs_host_batches_in_the_selected_order(host_batch_order, expected):
+    """Every host batch of the async host pipeline walks its layers in the selected order (whole
+    where it holds one request), over sub-batches that hold its requests in order, and the
+    tokens are transformers'."""
+    llm = LLM("neo-tiny", device="cpu", dtype="float32", policy="neo", gpu_kv_cache_gib=gib_for_blocks(6),
+              cpu_kv_cache_gib=gib_for_blocks(64), perf_model="zero", host_pipeline="async",
+              host_batch_order=host_batch_order)
+    try:
+        runner = llm.engine.runner.host_batches
+        executor = runner.executor
+        walked = []  # (order name, requests per sub-batch, layers) of each part
+        forward_layers = executor.forward_layers
+
+        def recording_forward_layers(states, metadata, order, layers):
+            walked.append((order.name, [meta.num_host_decodes for meta in metadata], layers))
+            return forward_layers(states, metadata, order, layers)
+
+        executor.forward_layers = recording_forward_layers
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert walked and llm.get_metrics()["host_batches"] > 0
+        assert {layers for _, _, layers in walked} == set(runner.parts)
+        for name, sizes, _ in walked:
+            expected_order, parts = host_batch_sub_batches(STAGE_ORDERS[host_batch_order], sum(sizes))
+            assert name == expected_order.name and sizes == [len(range(sum(sizes))[part]) for part in parts]
+        if host_batch_order == "host-batch-pair":
+            assert any(len(sizes) == 2 for _, sizes, _ in walked)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("count", [1, 2, 7])
+def test_a_host_batch_is_estimated_in_its_order_over_its_sub_batches(count):
+    """The estimate of a host batch is the cost function of its order over the sub-batches the
+    runner splits it into, host attention scaled by the calibration; its GPU stages are each
+    sub-batch's linear time."""
+    model = synthetic_model(1e-4, 1e-7, 1e-6)
+    requests = requests_of(count, prompt_len=30, max_tokens=10)
+    for name in ("host-batch", "host-batch-pair"):
+        estimates = Estimates(model, HostTimeCalibration(prior=1.5), GraphCoverage(), BlockManager(8, 64, 16),
+                              ASYMMETRIC, STAGE_ORDERS[name])
+        order, parts = host_batch_sub_batches(STAGE_ORDERS[name], count)
+        times = [StageTimes(model.linear(len(requests[part])), 0.0,
+                            1.5 * model.host_attention(len(requests[part]), 30 * len(requests[part])))
+                 for part in parts]
+        seconds, host = estimates.host_batch_time(requests)
+        assert seconds == pytest.approx(iteration_seconds(order, times, model.table.pre_fraction,
+                                                          fixed_overhead=model.table.host_batch_overhead))
+        assert host == pytest.approx(sum(time.host_attention for time in times))
+        assert estimates.host_batch_time_of(count, 30 * count) == pytest.approx(seconds)
+        assert estimates.host_batch_gpu_time(count) == pytest.approx(sum(time.linear for time in times))
+
+
+def test_an_unknown_host_batch_order_setting_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown host batch order 'zigzag'; choose one of host-batch, "
+                                         "host-batch-pair"):
+        LLMEngine(EngineConfig(policy="neo", device="cpu", host_batch_order="zigzag", perf_model="zero"))
 
 
 def test_an_unknown_stage_order_setting_lists_the_choices():

@@ -31,7 +31,7 @@ from neo.sched.estimates import Estimates
 from neo.sched.perf_model import PerfModel
 from neo.sched.placement import make_placement
 from neo.sched.scheduler import Scheduler
-from neo.sched.stage_order import SEQUENTIAL, two_sub_batch_order
+from neo.sched.stage_order import SEQUENTIAL, host_batch_order, two_sub_batch_order
 from neo.tokenizer import load_tokenizer
 
 from .host_memory_check import available_host_bytes, check_host_memory
@@ -137,6 +137,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         torch.cuda.set_device(device)
     offloading = config.policy != "gpu-only"
     stage_order = two_sub_batch_order(config.stage_order)
+    batch_order = host_batch_order(config.host_batch_order)
     placement = make_placement(config.policy, config.host_pipeline, config.placement)
     kernels = host_kernels(config.cpu_attention_kernel)
     model_config = resolve_model_config(config.model)
@@ -208,7 +209,7 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     if asynchronous:
         with startup.phase("host pipeline"):
             host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
-                                           max_blocks_per_sequence, graph_context, pad_rows)
+                                           max_blocks_per_sequence, graph_context, pad_rows, order=batch_order)
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
                          pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs,
                          share_samples=parallel.size > 1 and config.schedules_ahead)
@@ -217,11 +218,12 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     if offloading:  # the profiler, when it runs, measures through the runner built above
         profiler = Profiler(runner, block_manager,
                             ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
-                            worker.num_threads, kernels.attention.name, stage_order)
+                            worker.num_threads, kernels.attention.name, stage_order, host_batch_order=batch_order)
         if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
             with startup.phase("perf model"):
                 perf_model = load_perf_model(config.perf_model, profiler)
-    estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order)
+    estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order,
+                          batch_order)
     scheduler = Scheduler(config, block_manager, placement, estimates,
                           finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))
     logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool %d blocks "

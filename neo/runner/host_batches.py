@@ -12,7 +12,10 @@ fit::
     host CPU       |           attn_host(h,0)                   attn_host(h,1)
 
 So the GPU never waits for the host, and the host never waits for the GPU's iterations, only
-for the batch's own ``pre``/``post`` (the stream has high priority). Each host batch reads all
+for the batch's own ``pre``/``post`` (the stream has high priority). In the ``host-batch-pair``
+order (``EngineConfig.host_batch_order``) the batch goes through the layers in two halves,
+asymmetric, and the host attends for one half while the stream runs the other's ``post`` and
+``pre``, so it need not wait for them either; each half reads the weights in its GPU stages. Each host batch reads all
 the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
 
 The batch's pipeline graphs and the GPU iterations' decode graphs replay at the same time on
@@ -71,7 +74,7 @@ from neo.kv.kv_cache import KVCache
 from neo.request import Request
 from neo.sched.runner_output import HostBatchOutput
 from neo.sched.scheduler_output import SubBatch
-from neo.sched.stage_order import HOST_BATCH
+from neo.sched.stage_order import HOST_BATCH, StageOrder, host_batch_sub_batches
 
 from .batch_inputs import build_batch_inputs
 from .executor import LayerPartWalk, PipelineExecutor, layer_parts
@@ -93,23 +96,25 @@ class EagerParts(LayerPartWalk):
     layers' steps (``PipelineExecutor.forward_layers``) on the current stream, the logits the
     final norm and LM head behind the last."""
 
-    def __init__(self, executor: PipelineExecutor, inputs, parts: list[range]):
+    def __init__(self, executor: PipelineExecutor, inputs: list, order: StageOrder, parts: list[range]):
+        """``inputs``: the ``BatchInputs`` of each of ``order``'s sub-batches."""
         super().__init__(len(parts))
         self._executor = executor
         self._inputs = inputs
+        self._order = order
         self._parts = parts
-        executor.prepare([inputs.metadata])
-        self._states = executor.embed([inputs.input_ids])
+        executor.prepare([batch.metadata for batch in inputs])
+        self._states = executor.embed([batch.input_ids for batch in inputs])
 
     def _queue_part(self, index: int) -> None:
-        self._states = self._executor.forward_layers(self._states, [self._inputs.metadata], HOST_BATCH,
-                                                     self._parts[index])
+        self._states = self._executor.forward_layers(self._states, [batch.metadata for batch in self._inputs],
+                                                     self._order, self._parts[index])
 
     def _logits(self) -> torch.Tensor:
-        rows = self._inputs.logits_indices
-        state = self._states[0]
-        logits = self._executor.compute_logits(self._executor.model.final_norm(state.hidden[rows],
-                                                                               state.residual[rows]))
+        model = self._executor.model
+        hidden = [model.final_norm(state.hidden[batch.logits_indices], state.residual[batch.logits_indices])
+                  for state, batch in zip(self._states, self._inputs)]
+        logits = self._executor.compute_logits(torch.cat(hidden) if len(hidden) > 1 else hidden[0])
         self._executor.end()
         return logits
 
@@ -145,10 +150,14 @@ class HostBatchRunner:
 
     def __init__(self, model, kv_cache: KVCache, host_kernels: HostKernels, worker: HostAttentionWorker,
                  device: torch.device, max_decodes: int, max_blocks_per_sequence: int, graph_context: int | None,
-                 pad_rows: bool = False, layers_per_part: int = DEFAULT_LAYERS_PER_PART):
+                 pad_rows: bool = False, layers_per_part: int = DEFAULT_LAYERS_PER_PART,
+                 order: StageOrder = HOST_BATCH):
         """``graph_context``: replay pipeline graphs for batches whose contexts are at most that
         many tokens (None: never). ``pad_rows``: pad GEMM rows to ``neo.runner.gemm_rows`` buckets.
-        ``layers_per_part``: the most layers one part (graph or eager walk) holds (at least 1)."""
+        ``layers_per_part``: the most layers one part (graph or eager walk) holds (at least 1).
+        ``order``: the batches' stage order (``EngineConfig.host_batch_order``); a batch goes
+        through it in the sub-batches ``host_batch_sub_batches`` gives."""
+        self.order = order
         parts = layer_parts(len(model.layers), layers_per_part)
         self.parts = parts
         self.model = model
@@ -259,10 +268,12 @@ class HostBatchRunner:
     def _start(self, batch: SubBatch) -> LayerPartWalk:
         """The batch's inputs loaded for a walk in parts: a graph replay where one fits, else
         an eager walk."""
-        inputs = build_batch_inputs(batch, self.block_size, self.device, self.executor.pad_rows)
-        shape = self.graphs.shape([inputs]) if self.graphs is not None else None
-        replay = self.graphs.start([inputs], shape, HOST_BATCH) if shape is not None else None
-        return replay if replay is not None else EagerParts(self.executor, inputs, self.parts)
+        order, parts = host_batch_sub_batches(self.order, len(batch.host_decodes))
+        inputs = [build_batch_inputs(SubBatch(host_decodes=batch.host_decodes[part]), self.block_size, self.device,
+                                     self.executor.pad_rows) for part in parts]
+        shape = self.graphs.shape(inputs) if self.graphs is not None else None
+        replay = self.graphs.start(inputs, shape, order) if shape is not None else None
+        return replay if replay is not None else EagerParts(self.executor, inputs, order, self.parts)
 
     def ready(self) -> bool:
         """Whether a launched batch has completed (False when none is in flight); queues its

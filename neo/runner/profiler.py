@@ -18,7 +18,8 @@ layer on its own cache, with block tables laid out as the block manager hands ou
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
   which replays its CUDA graphs for them (when the engine has graphs).
 
-The table is keyed by model shape (and tensor-parallel rank count), dtype, device, block size,
+The table is keyed by model shape (and tensor-parallel rank count, and the host-batch order
+where it is not ``host-batch``), dtype, device, block size,
 host threads, the CPU attention
 kernel, the two-sub-batch stage order and the compiled kernels' builds (a digest of each
 extension file: rebuilt kernels are profiled again), and cached under ``$NEO_CACHE_DIR``
@@ -47,7 +48,7 @@ from neo.sched.block_manager import BlockManager
 from neo.sched.cost import StageTimes, iteration_seconds
 from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
-from neo.sched.stage_order import HOST_BATCH, SEQUENTIAL, StageOrder
+from neo.sched.stage_order import HOST_BATCH, SEQUENTIAL, StageOrder, host_batch_sub_batches
 
 from .model_runner import ModelRunner
 
@@ -130,14 +131,18 @@ class Profiler:
     """Measures stage times through a runner whose pools are empty."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, limits: ProfileLimits, host_threads: int,
-                 host_kernel: str, stage_order: StageOrder, repeats: int = 3):
+                 host_kernel: str, stage_order: StageOrder, repeats: int = 3,
+                 host_batch_order: StageOrder = HOST_BATCH):
         """``host_threads``, ``host_kernel``: the host side's threads and CPU attention kernel;
-        ``stage_order``: the lockstep pipeline's two-sub-batch order (part of the key)."""
+        ``stage_order``: the lockstep pipeline's two-sub-batch order (part of the key);
+        ``host_batch_order``: the async host pipeline's (part of the key unless ``host-batch``:
+        the host batch overhead is measured in it)."""
         self.runner = runner
         self.block_manager = block_manager
         self.limits = limits
         self.host_threads = host_threads
         self.host_kernel = host_kernel
+        self.host_batch_order = host_batch_order
         self.stage_order = stage_order
         self.repeats = repeats
         self.model = runner.model
@@ -153,7 +158,9 @@ class Profiler:
         shapes and the collectives)."""
         model = self.model_config
         size = self.model.parallel.size
-        return ({"tensor_parallel_size": size} if size > 1 else {}) | {
+        order = self.host_batch_order
+        batch_order = {"host_batch_order": order.name} if order is not HOST_BATCH else {}
+        return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | {
             "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
                             model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
             "dtype": str(self.layout.dtype).removeprefix("torch."),
@@ -495,8 +502,11 @@ class Profiler:
             measured = self._time(run)
         finally:
             self.free_requests(requests)
-        stages = iteration_seconds(HOST_BATCH, [StageTimes(model.linear(2), 0.0, model.host_attention(2, 2 * probe))],
-                                   model.table.pre_fraction)
+        order, parts = host_batch_sub_batches(self.host_batch_order, len(requests))
+        times = [StageTimes(model.linear(len(requests[part])), 0.0, model.host_attention(len(requests[part]),
+                                                                                          probe * len(requests[part])))
+                 for part in parts]
+        stages = iteration_seconds(order, times, model.table.pre_fraction)
         return measured - stages
 
     @staticmethod

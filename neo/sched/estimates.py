@@ -14,7 +14,7 @@ from .cost import StageTimes
 from .graph_coverage import GraphCoverage, widest_gpu_table
 from .perf_model import PerfModel
 from .scheduler_output import SchedulerOutput, SubBatch
-from .stage_order import SEQUENTIAL, StageOrder
+from .stage_order import HOST_BATCH, SEQUENTIAL, StageOrder, host_batch_sub_batches
 
 
 def remaining_output(request: Request) -> int:
@@ -48,19 +48,44 @@ class SteadyGpuBatch:
 
 
 class Estimates:
-    """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs."""
+    """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs,
+    ``host_batch_order`` the async host pipeline's batches'."""
 
     def __init__(self, perf_model: PerfModel, host_calibration: HostTimeCalibration, coverage: GraphCoverage,
-                 block_manager: BlockManager, two_sub_batch_order: StageOrder):
+                 block_manager: BlockManager, two_sub_batch_order: StageOrder,
+                 host_batch_order: StageOrder = HOST_BATCH):
         self.perf_model = perf_model
         self.host_calibration = host_calibration
         self.coverage = coverage
         self.block_manager = block_manager
         self.two_sub_batch_order = two_sub_batch_order
+        self.host_batch_order = host_batch_order
 
     def host_attention(self, num_requests: int, context_tokens: int) -> float:
         """Host attention seconds of that many decodes: the profile's, corrected."""
         return self.perf_model.host_attention(num_requests, context_tokens) * self.host_calibration.scale
+
+    def host_batch_time(self, requests: list[Request]) -> tuple[float, float]:
+        """(seconds of a host batch of ``requests`` until its tokens, of which host attention):
+        the cost function of the host-batch order over the sub-batches the runner splits the
+        batch into (``host_batch_sub_batches``)."""
+        order, parts = host_batch_sub_batches(self.host_batch_order, len(requests))
+        sub_batches = [(len(requests[part]), sum(r.num_tokens for r in requests[part])) for part in parts]
+        return self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)
+
+    def host_batch_gpu_time(self, num_requests: int) -> float:
+        """Seconds of the GPU stages of a host batch of that many decodes: each of its
+        sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch)."""
+        _, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
+        return sum(self.perf_model.linear(len(range(num_requests)[part])) for part in parts)
+
+    def host_batch_time_of(self, num_requests: int, context_tokens: int) -> float:
+        """Seconds of a host batch of that many decodes over that many context tokens (each
+        sub-batch its share of them)."""
+        order, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
+        sizes = [len(range(num_requests)[part]) for part in parts]
+        sub_batches = [(size, context_tokens * size // max(1, num_requests)) for size in sizes]
+        return self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)[0]
 
     def host_time(self, batch: SubBatch) -> float:
         return self.host_attention(len(batch.host_decodes), sum(r.num_tokens for r in batch.host_decodes))

@@ -152,11 +152,16 @@ class PerfModel:
                 launch_overhead = self.table.pipeline_graph_overhead if graphed else self.table.pipeline_overhead
         return iteration_seconds(order, times, self.table.pre_fraction, launch_overhead, self.iteration_overhead)
 
-    def host_batch_time(self, order: StageOrder, linear: float, host: float) -> float:
-        """Seconds of a host batch (async host pipeline) of ``order`` from its GPU stages' and its
-        host attention's times."""
-        return iteration_seconds(order, [StageTimes(linear, 0.0, host)], self.table.pre_fraction,
-                                 fixed_overhead=self.table.host_batch_overhead)
+    def host_batch_time(self, order: StageOrder, sub_batches: list[tuple[int, int]],
+                        host_scale: float = 1.0) -> tuple[float, float]:
+        """(seconds, of which host attention) of a host batch (async host pipeline) in ``order``
+        whose sub-batches hold ``(decodes, context tokens)`` each (``host_batch_sub_batches``);
+        ``host_scale`` corrects the profile's host attention."""
+        times = [StageTimes(self.linear(decodes), 0.0, self.host_attention(decodes, context) * host_scale)
+                 for decodes, context in sub_batches]
+        seconds = iteration_seconds(order, times, self.table.pre_fraction,
+                                    fixed_overhead=self.table.host_batch_overhead)
+        return seconds, sum(time.host_attention for time in times)
 
     @property
     def iteration_overhead(self) -> float:

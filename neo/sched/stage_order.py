@@ -35,7 +35,12 @@ The orders the engine runs:
   after its ``pre`` (its keys and values are then in the caches), before its GPU attention, so
   the host may start while the GPU attends.
 - ``host-batch`` (the async host pipeline's batch of host decodes, on a stream of its own):
-  the sequential order.
+  the sequential order. Between two layers' host attention the host waits for the batch's own
+  ``post`` and ``pre`` on the GPU, beside the GPU's iterations.
+- ``host-batch-pair``: the async host pipeline's batch in two halves, in the ``asymmetric``
+  order: the host attends for one half while the batch's stream runs the other half's ``post``
+  and ``pre``, so the host need not wait between layers; each half's GPU stages read the
+  weights, twice per layer for the batch (``EngineConfig.host_batch_order``).
 
 A new order is a new ``StageOrder`` in ``STAGE_ORDERS`` (``validate`` checks it keeps the
 transformer's data dependencies and can run to the end), selected with
@@ -186,9 +191,18 @@ HOST_BATCH = StageOrder(
     "host-batch", 1, SEQUENTIAL.layer_steps,
     "the async host pipeline's batch of host decodes, on its own stream, stages one after another")
 
-STAGE_ORDERS = {order.name: order for order in (SEQUENTIAL, ASYMMETRIC, ASYMMETRIC_EARLY_HOST, HOST_BATCH)}
+HOST_BATCH_PAIR = StageOrder(
+    "host-batch-pair", 2, ASYMMETRIC.layer_steps,
+    "the async host pipeline's batch of host decodes in two halves, asymmetric: the host attends for one "
+    "half while the GPU runs the other's stages")
+
+STAGE_ORDERS = {order.name: order
+                for order in (SEQUENTIAL, ASYMMETRIC, ASYMMETRIC_EARLY_HOST, HOST_BATCH, HOST_BATCH_PAIR)}
 # The orders a lockstep iteration of two sub-batches may follow (``EngineConfig.stage_order``).
-TWO_SUB_BATCH_ORDERS = tuple(name for name, order in STAGE_ORDERS.items() if order.num_sub_batches == 2)
+TWO_SUB_BATCH_ORDERS = tuple(name for name, order in STAGE_ORDERS.items()
+                             if order.num_sub_batches == 2 and order is not HOST_BATCH_PAIR)
+# The orders a host batch of the async host pipeline may follow (``EngineConfig.host_batch_order``).
+HOST_BATCH_ORDERS = (HOST_BATCH.name, HOST_BATCH_PAIR.name)
 
 
 def two_sub_batch_order(name: str) -> StageOrder:
@@ -197,3 +211,23 @@ def two_sub_batch_order(name: str) -> StageOrder:
         raise ValueError(f"unknown two-sub-batch stage order {name!r}; choose one of "
                          f"{', '.join(TWO_SUB_BATCH_ORDERS)}")
     return STAGE_ORDERS[name]
+
+
+def host_batch_order(name: str) -> StageOrder:
+    """The host-batch order called ``name``; a ``ValueError`` lists them otherwise."""
+    if name not in HOST_BATCH_ORDERS:
+        raise ValueError(f"unknown host batch order {name!r}; choose one of {', '.join(HOST_BATCH_ORDERS)}")
+    return STAGE_ORDERS[name]
+
+
+def host_batch_sub_batches(order: StageOrder, count: int) -> tuple[StageOrder, list[slice]]:
+    """How a host batch of ``count`` decodes goes through ``order``: the order it runs in and
+    each sub-batch's slice of its decodes, contiguous and as even as they can be (the first
+    ones a decode longer). A batch of fewer decodes than ``order`` has sub-batches runs in
+    ``host-batch``, whole."""
+    parts = order.num_sub_batches
+    if count < parts:
+        return HOST_BATCH, [slice(0, count)]
+    sizes = [count // parts + (index < count % parts) for index in range(parts)]
+    starts = [sum(sizes[:index]) for index in range(parts)]
+    return order, [slice(start, start + size) for start, size in zip(starts, sizes)]

@@ -17,7 +17,7 @@ import sys
 from neo import cli_values
 from neo.bench.workloads import WORKLOAD_FORMS
 from neo.config import HOST_PIPELINES, POLICIES, RETURN_ORDERS, EngineConfig
-from neo.sched.stage_order import TWO_SUB_BATCH_ORDERS
+from neo.sched.stage_order import HOST_BATCH_ORDERS, TWO_SUB_BATCH_ORDERS
 
 from .hardware import FIELD_HELP, OVERRIDABLE, PRESETS, preset, with_overrides
 from .scenario import Scenario, run_scenario
@@ -55,6 +55,8 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--stage-order", default="asymmetric", help=f"one of {', '.join(TWO_SUB_BATCH_ORDERS)}")
     parser.add_argument("--placement", default=None,
                         help="where host decodes go (default: the host pipeline's)")
+    parser.add_argument("--host-batch-order", default=EngineConfig.host_batch_order, choices=HOST_BATCH_ORDERS,
+                        help="the async host pipeline's order of a host batch through the layers")
     parser.add_argument("--return-order", default=EngineConfig.return_order, choices=RETURN_ORDERS,
                         help="which host-pool requests move back to the GPU pool first when it has room")
     parser.add_argument("--gpu-kv-cache-gib", type=cli_values.positive_number, default=None,
@@ -112,7 +114,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         raise ValueError(f"--policies must list some of {', '.join(POLICIES)}, got {args.policies!r}")
     return Scenario(model=args.model, hardware=hardware_from_args(args), workload=args.workload,
                     num_requests=args.num_requests, policies=policies, host_pipeline=args.host_pipeline,
-                    stage_order=args.stage_order, placement=args.placement, return_order=args.return_order,
+                    stage_order=args.stage_order, host_batch_order=args.host_batch_order, placement=args.placement,
+                    return_order=args.return_order,
                     gpu_kv_cache_gib=args.gpu_kv_cache_gib,
                     cpu_kv_cache_gib=args.cpu_kv_cache_gib, max_model_len=args.max_model_len,
                     gpu_memory_utilization=args.gpu_memory_utilization,

@@ -19,7 +19,7 @@ from neo.sched.graph_coverage import GraphCoverage
 from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sched.placement import GpuOnly, make_placement
 from neo.sched.scheduler import Scheduler
-from neo.sched.stage_order import two_sub_batch_order
+from neo.sched.stage_order import host_batch_order, two_sub_batch_order
 
 from .hardware import Hardware
 
@@ -108,13 +108,14 @@ def build_parts(config: EngineConfig, model: ModelConfig, hardware: Hardware, ta
     manager = BlockManager(layout.num_gpu_blocks, layout.num_host_blocks, config.block_size)
     coverage = graph_coverage(config, max_model_len)
     order = two_sub_batch_order(config.stage_order)
+    batch_order = host_batch_order(config.host_batch_order)
     perf_model = PerfModel(table)
     host_decodes = config.policy == "gpu-only" or bool(table.host_attention_requests)
     if config.policy == "gpu-only" or not host_decodes:
         placement, planning_model = GpuOnly(), PerfModel.zero()
     else:
         placement, planning_model = make_placement(config.policy, config.host_pipeline, config.placement), perf_model
-    estimates = Estimates(planning_model, HostTimeCalibration(), coverage, manager, order)
+    estimates = Estimates(planning_model, HostTimeCalibration(), coverage, manager, order, batch_order)
     scheduler = Scheduler(config, manager, placement, estimates)
-    timing = Estimates(perf_model, HostTimeCalibration(prior=1.0), coverage, manager, order)
+    timing = Estimates(perf_model, HostTimeCalibration(prior=1.0), coverage, manager, order, batch_order)
     return SchedulingParts(scheduler, manager, layout, timing, perf_model, host_decodes)

@@ -27,6 +27,7 @@ class Scenario:
     policies: tuple[str, ...] = ("gpu-only", "neo")
     host_pipeline: str = "async"
     stage_order: str = "asymmetric"
+    host_batch_order: str = EngineConfig.host_batch_order
     placement: str | None = None
     return_order: str = EngineConfig.return_order
     gpu_kv_cache_gib: float | None = None
@@ -45,7 +46,8 @@ class Scenario:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         cpu_gib = self.cpu_kv_cache_gib if self.cpu_kv_cache_gib is not None else self.hardware.host_memory_gib / 2
         return EngineConfig(model=self.model, policy=policy, host_pipeline=self.host_pipeline,
-                            stage_order=self.stage_order, placement=self.placement,
+                            stage_order=self.stage_order, host_batch_order=self.host_batch_order,
+                            placement=self.placement,
                             return_order=self.return_order, gpu_kv_cache_gib=self.gpu_kv_cache_gib,
                             cpu_kv_cache_gib=float(cpu_gib),
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -14,17 +14,18 @@ order (``SchedulerOutput.runs_ahead`` false, or the GPU pool short of room for t
 ``Scheduler.can_plan_ahead``), and the step after it, make the GPU wait for the host's work
 (``Hardware.sync_step_us`` and ``sync_step_request_us``).
 
-Under the async host pipeline a plan's host batch is launched when it is planned and runs on
-the host's own timeline: it completes after its cost (``PerfModel.host_batch_time``), and is
+Under the async host pipeline a plan's host batch is launched when it is planned and runs on the
+host's own timeline: it completes after its cost (``PerfModel.host_batch_time``), and is
 collected, as in the engine, after the first step whose GPU work ends past that (a step with no
 GPU work waits for it, or for the next arrival). Its ``pre``/``post`` stages share the GPU with
 the iterations that run beside it: an iteration alone ``d`` seconds long progresses at
-``1 / (1 + linear(n) / T)`` of its speed while a batch of ``n`` decodes lasting ``T`` is in
-flight. The engine queues a batch's layers in parts (``neo.runner.host_batches``), at most
-``PARTS_PENDING`` parts of ``DEFAULT_LAYERS_PER_PART`` layers pending, one host function per
-layer; where the CUDA driver queues fewer host functions than that
-(``Hardware.queued_host_functions``), launching the batch holds the engine's thread, and so the
-GPU's next iteration, until the first layers' host attention has run.
+``1 / (1 + G / T)`` of its speed while a batch lasting ``T`` is in flight, ``G`` the batch's GPU stages'
+time (``Estimates.host_batch_gpu_time``: ``linear(n)`` for ``n`` decodes in one sub-batch, its
+halves' sum in ``host-batch-pair``). The engine queues a batch's layers in parts
+(``neo.runner.host_batches``), at most ``PARTS_PENDING`` parts of ``DEFAULT_LAYERS_PER_PART``
+layers pending, one host function per layer; where the CUDA driver queues fewer host functions
+than that (``Hardware.queued_host_functions``), launching the batch holds the engine's thread,
+and so the GPU's next iteration, until the first layers' host attention has run.
 
 Requests arrive at their workload offsets (all at once without them); outputs are forced to
 their lengths, as ``neo bench`` forces them.
@@ -47,7 +48,6 @@ from neo.sampling_params import SamplingParams
 from neo.sched.perf_model import PerfTable
 from neo.sched.runner_output import HostBatchOutput, IterationOutput
 from neo.sched.scheduler_output import SchedulerOutput
-from neo.sched.stage_order import HOST_BATCH
 
 from .hardware import Hardware
 from .parts import SchedulingParts, build_parts
@@ -188,11 +188,9 @@ class Simulation:
 
     def launch(self, plan: SchedulerOutput) -> None:
         requests = plan.host_batch.host_decodes
-        perf_model = self.parts.perf_model
-        linear = perf_model.linear(len(requests))
-        host = perf_model.host_attention(len(requests), sum(r.num_tokens for r in requests))
-        seconds = perf_model.host_batch_time(HOST_BATCH, linear, host)
-        gpu_share = linear / seconds if seconds > 0 else 0.0
+        timing = self.parts.timing
+        seconds, host = timing.host_batch_time(requests)
+        gpu_share = timing.host_batch_gpu_time(len(requests)) / seconds if seconds > 0 else 0.0
         self.in_flight = HostBatchInFlight(list(requests), self.clock + seconds, seconds, host,
                                            max(1 + gpu_share, self.hardware.host_batch_slowdown))
         self.host_batches.append(self.in_flight)

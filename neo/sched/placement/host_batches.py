@@ -9,12 +9,13 @@ them frees its blocks only then. A request evicted to the host pool joins a batc
 after the iteration that copies its blocks out.
 
 Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
-the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once,
-``linear(n)`` seconds for ``n`` host decodes, and beside it the iterations may run slower still
+the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once per
+sub-batch of its order, ``linear(n)`` seconds for ``n`` host decodes in one (the sum over the
+halves in ``host-batch-pair``: ``Estimates.host_batch_gpu_time``), and beside it the iterations may run slower still
 (its kernels share the SMs, its host threads share the host with the launching thread). That
 slowdown is measured (``HostBatchInterference``: iterations beside a batch against their
 estimate alone): a batch that lasts ``T`` seconds with the iterations ``s`` times slower costs
-them ``(1 - 1/s) * T`` seconds, and at least ``linear(n)`` (the only cost before anything is
+them ``(1 - 1/s) * T`` seconds, and at least its GPU stages' time (the only cost before anything is
 measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) makes
 ``gpu_rate * cost`` tokens, so a host batch of ``n`` decodes gains ``n - gpu_rate * cost``
 tokens: it pays when that is positive. New requests go to the host pool while a larger host
@@ -28,11 +29,12 @@ launched when it pays, when the GPU has nothing else to do (``full-offload``, or
 this iteration), or when its oldest request has waited ``max_host_wait`` iterations: host
 requests always progress.
 
-A host batch is estimated by the cost function of its order (``linear(n)`` + host attention +
-the profiled ``host_batch_overhead``), host attention corrected online by the host time each
-completed batch measured. An iteration that runs while a batch is in flight is estimated as
-its time alone times the measured slowdown (before it is measured, grown by the batch's GPU
-stages' share of the batch's time).
+A host batch is estimated by the cost function of its order over the sub-batches the runner
+splits it into (``host-batch``: ``linear(n)`` + host attention; ``host-batch-pair``: the
+asymmetric overlap of the halves; each plus the profiled ``host_batch_overhead``), host
+attention corrected online by the host time each completed batch measured. An iteration that
+runs while a batch is in flight is estimated as its time alone times the measured slowdown
+(before it is measured, grown by the batch's GPU stages' share of the batch's time).
 """
 
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ from ..calibration import HostBatchInterference
 from ..estimates import remaining_output
 from ..runner_output import IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
-from ..stage_order import HOST_BATCH, SEQUENTIAL
+from ..stage_order import SEQUENTIAL
 from .base import Placement
 
 EPSILON = 1e-9  # seconds: keeps rates finite under a zero perf model
@@ -119,7 +121,7 @@ class HostBatches(Placement):
         alone = estimates.sequential_time(batch0) if batch0 else 0.0
         slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight is not None:
-            slowdown = self.interference.factor or 1 + (estimates.perf_model.linear(len(self.in_flight.requests))
+            slowdown = self.interference.factor or 1 + (estimates.host_batch_gpu_time(len(self.in_flight.requests))
                                                          / (self.in_flight.predicted_time + EPSILON))
         plan.predicted_time = alone * slowdown
         # A plan's block copies lengthen it beyond its estimate, so it is no sample of interference.
@@ -170,9 +172,8 @@ class HostBatches(Placement):
     @staticmethod
     def host_batch_time(estimates, requests: list[Request]) -> tuple[float, float]:
         """(estimated seconds of a host batch of ``requests`` until its tokens, of which host
-        attention), from the cost function of the ``host-batch`` order."""
-        host = estimates.host_attention(len(requests), sum(r.num_tokens for r in requests))
-        return estimates.perf_model.host_batch_time(HOST_BATCH, estimates.perf_model.linear(len(requests)), host), host
+        attention), from the cost function of the engine's host-batch order."""
+        return estimates.host_batch_time(requests)
 
     def _gain(self, scheduler, batch0: SubBatch, num_host_decodes: int, context_tokens: int) -> float:
         """Tokens a host batch of that many decodes (and context tokens) gains over what it
@@ -186,12 +187,11 @@ class HostBatches(Placement):
     def gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
         """Seconds of GPU-iteration time a host batch of that many decodes costs (see the
         module docstring)."""
-        model = estimates.perf_model
-        linear = model.linear(num_host_decodes)
+        linear = estimates.host_batch_gpu_time(num_host_decodes)
         slowdown = self.interference.factor
         if slowdown is None:
             return linear
-        seconds = model.host_batch_time(HOST_BATCH, linear, estimates.host_attention(num_host_decodes, context_tokens))
+        seconds = estimates.host_batch_time_of(num_host_decodes, context_tokens)
         return max(linear, (1 - 1 / slowdown) * seconds)
 
     def economics(self, scheduler, gpu_requests: list[Request], host_requests: list[Request]) -> tuple[bool, bool]:
