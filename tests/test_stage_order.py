@@ -197,6 +197,21 @@ def test_a_host_batch_is_estimated_in_its_order_over_its_sub_batches(count):
         assert estimates.host_batch_gpu_time(count) == pytest.approx(sum(time.linear for time in times))
 
 
+def test_the_profile_key_names_a_host_batch_order_other_than_the_default():
+    """The profiled host-batch overhead is measured in the engine's order: a table of one order
+    does not serve the other, and tables of the default keep their keys."""
+    keys = {}
+    for order in ("host-batch", "host-batch-pair"):
+        engine = LLMEngine(EngineConfig(policy="neo", device="cpu", host_batch_order=order, perf_model="zero",
+                                        cpu_kv_cache_gib=gib_for_blocks(16)))
+        try:
+            keys[order] = engine.profiler.key()
+        finally:
+            engine.close()
+    assert "host_batch_order" not in keys["host-batch"]
+    assert keys["host-batch-pair"] == keys["host-batch"] | {"host_batch_order": "host-batch-pair"}
+
+
 def test_an_unknown_host_batch_order_setting_lists_the_choices():
     with pytest.raises(ValueError, match="unknown host batch order 'zigzag'; choose one of host-batch, "
                                          "host-batch-pair"):

@@ -11,12 +11,12 @@ fit::
     host stream    | pre(h,0) .............. post(h,0) pre(h,1) ............. post(h,1) ...
     host CPU       |           attn_host(h,0)                   attn_host(h,1)
 
-So the GPU never waits for the host, and the host never waits for the GPU's iterations, only
-for the batch's own ``pre``/``post`` (the stream has high priority). In the ``host-batch-pair``
+So the GPU never waits for the host, and the host never waits for the GPU's iterations, only for
+the batch's own ``pre``/``post`` (the stream has high priority). In the ``host-batch-pair``
 order (``EngineConfig.host_batch_order``) the batch goes through the layers in two halves,
 asymmetric, and the host attends for one half while the stream runs the other's ``post`` and
-``pre``, so it need not wait for them either; each half reads the weights in its GPU stages. Each host batch reads all
-the weights once, on top of the GPU's iterations: that is the price of the batch's tokens.
+``pre``, so it need not wait for them either. Each host batch reads all the weights once (once
+per half in the pair), on top of the GPU's iterations: that is the price of the batch's tokens.
 
 The batch's pipeline graphs and the GPU iterations' decode graphs replay at the same time on
 two streams, so each owner captures on a stream of its own: graphs captured on one stream share

@@ -19,8 +19,7 @@ layer on its own cache, with block tables laid out as the block manager hands ou
   which replays its CUDA graphs for them (when the engine has graphs).
 
 The table is keyed by model shape (and tensor-parallel rank count, and the host-batch order
-where it is not ``host-batch``), dtype, device, block size,
-host threads, the CPU attention
+where it is not ``host-batch``), dtype, device, block size, host threads, the CPU attention
 kernel, the two-sub-batch stage order and the compiled kernels' builds (a digest of each
 extension file: rebuilt kernels are profiled again), and cached under ``$NEO_CACHE_DIR``
 (default ``~/.cache/neo``) so the engine profiles once per machine (and again for an engine
