@@ -137,7 +137,7 @@ class HostBatches(Placement):
             scheduler.count_host_wait(bool(self.launchable(host_requests, plan)))
             return
         estimates = scheduler.estimates
-        seconds, host = self.host_batch_time(estimates, requests)
+        seconds, host = estimates.host_batch_time(requests)
         plan.host_batch = SubBatch(host_decodes=requests)
         plan.host_batch_predicted_time = seconds
         plan.host_batch_predicted_host_time = host
@@ -168,12 +168,6 @@ class HostBatches(Placement):
                 or not batch0 or scheduler.host_decode_due):
             return []
         return scheduler.oldest_first(host_requests)[:scheduler.config.max_num_seqs]
-
-    @staticmethod
-    def host_batch_time(estimates, requests: list[Request]) -> tuple[float, float]:
-        """(estimated seconds of a host batch of ``requests`` until its tokens, of which host
-        attention), from the cost function of the engine's host-batch order."""
-        return estimates.host_batch_time(requests)
 
     def _gain(self, scheduler, batch0: SubBatch, num_host_decodes: int, context_tokens: int) -> float:
         """Tokens a host batch of that many decodes (and context tokens) gains over what it
@@ -227,7 +221,7 @@ class HostBatches(Placement):
         the host after the GPU has finished. While arrivals keep the GPU saturated it never
         drains, and the host pool stays open."""
         head, *behind = scheduler.waiting
-        seconds, _ = self.host_batch_time(scheduler.estimates, [*host_requests, head])
+        seconds, _ = scheduler.estimates.host_batch_time([*host_requests, head])
         drain = scheduler.estimates.gpu_drain_time(gpu_requests, behind, gpu_rate,
                                                    scheduler.config.max_num_batched_tokens,
                                                    scheduler.arrivals.arriving_work())

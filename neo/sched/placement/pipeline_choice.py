@@ -97,7 +97,7 @@ class PipelineChoice(Placement):
         requests = self.asynchronous.host_batch_candidate(scheduler, batch0, host_requests, plan)
         if not requests:
             return gpu_rate
-        seconds, _ = self.asynchronous.host_batch_time(estimates, requests)
+        seconds, _ = estimates.host_batch_time(requests)
         cost = self.asynchronous.gpu_cost(estimates, len(requests), sum(r.num_tokens for r in requests))
         return gpu_rate + (len(requests) - gpu_rate * cost) / (seconds + EPSILON)
 
