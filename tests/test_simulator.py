@@ -161,6 +161,11 @@ def test_gpu_only_decode_throughput_is_batch_over_iteration_time():
     assert result.iterations == output_len
     assert result.steady_output_tokens_per_s == pytest.approx(batch / decode_seconds, rel=1e-6)
     assert result.tpot_s == pytest.approx([decode_seconds] * batch, rel=1e-6)
+    # 10% of the 201 x 32 tokens take the prefill's iteration and 20 decodes (and the host's time
+    # of the first, synchronous steps); the last 10%, 20 decodes
+    head, tail = result.head_and_tail_s
+    assert sum(result.iteration_s[:21]) <= head <= sum(result.iteration_s[:21]) * 1.01
+    assert tail == pytest.approx(20 * decode_seconds, rel=1e-6)
 
 
 def test_short_requests_on_a_small_gpu_pool_run_no_slower_under_neo():
@@ -298,6 +303,8 @@ def test_cli_end_to_end_json(capsys):
     for result in report["results"]:
         assert result["finished_requests"] == 24
         assert result["output_tokens_per_s"] > 0 and result["ttft_s"]["p50"] is not None
+        head, tail = result["head_and_tail_s"]
+        assert 0 < head < result["elapsed_s"] and 0 < tail < result["elapsed_s"]
 
 
 def test_cli_table(capsys):
@@ -308,6 +315,7 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     assert "llama-2-7b on g4dn.4xlarge (float16" in out
     assert out.count("x ") >= 2 and "neo" in out
+    assert "head/tail s" in out
 
 
 def test_a_prompt_that_never_fits_is_refused_by_name():

@@ -132,7 +132,7 @@ def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
              f"{scenario.workload}, {scenario.num_requests} requests, "
              f"{'measured profile ' + scenario.profile if scenario.profile else 'synthesized stage times'}",
              f"{'policy':<13}{'out tok/s':>10}{'total tok/s':>12}{'steady':>9}{'ratio':>7}{'steady r':>9}"
-             f"{'iters':>7}{'host %':>7}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>17}"]
+             f"{'iters':>7}{'host %':>7}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>17}{'head/tail s':>13}"]
     for result in results:
         ttft, tpot = result.summary()["ttft_s"], result.summary()["tpot_s"]
         ratio = result.output_tokens_per_s / base.output_tokens_per_s if base and base.output_tokens_per_s else None
@@ -141,13 +141,19 @@ def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
         lines.append(
             f"{result.policy:<13}{result.output_tokens_per_s:>10.1f}{result.total_tokens_per_s:>12.1f}"
             f"{result.steady_output_tokens_per_s:>9.1f}{_ratio(ratio):>7}{_ratio(steady):>9}{result.iterations:>7}"
-            f"{100 * result.host_decode_share:>7.1f}{_pair(ttft, 1):>17}{_pair(tpot, 1000):>17}")
+            f"{100 * result.host_decode_share:>7.1f}{_pair(ttft, 1):>17}{_pair(tpot, 1000):>17}"
+            f"{_head_and_tail(result.head_and_tail_s):>13}")
         if result.note:
             lines.append(f"  {result.policy}: {result.note}")
         if result.finished_requests < result.num_requests:
             lines.append(f"  {result.policy}: {result.finished_requests} of {result.num_requests} requests finished"
                          + (" (cut at --duration)" if result.cut_short else ""))
     return "\n".join(lines)
+
+
+def _head_and_tail(seconds: tuple[float, float] | None) -> str:
+    """The seconds of the first and the last 10% of the output tokens; "-" for a cut run."""
+    return "-" if seconds is None else f"{seconds[0]:.2f}/{seconds[1]:.2f}"
 
 
 def _ratio(value: float | None) -> str:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from neo.bench.offline import steady_throughput
+from neo.bench.offline import head_and_tail_seconds, steady_throughput
 from neo.bench.workload_request import WorkloadRequest
 from neo.config import EngineConfig
 from neo.models.config import ModelConfig
@@ -79,6 +79,9 @@ class SimulationResult:
     gpu_decode_tokens: int
     preemptions: int
     steady_output_tokens_per_s: float
+    # Seconds the first and the last 10% of the output tokens took (``head_and_tail_seconds``);
+    # None for a run cut short.
+    head_and_tail_s: tuple[float, float] | None
     cut_short: bool
     gpu_kv_pool_gib: float
     cpu_kv_pool_gib: float
@@ -108,7 +111,8 @@ class SimulationResult:
             "policy": self.policy, "num_requests": self.num_requests, "finished_requests": self.finished_requests,
             "elapsed_s": self.elapsed_s, "output_tokens_per_s": self.output_tokens_per_s,
             "total_tokens_per_s": self.total_tokens_per_s,
-            "steady_output_tokens_per_s": self.steady_output_tokens_per_s, "cut_short": self.cut_short,
+            "steady_output_tokens_per_s": self.steady_output_tokens_per_s,
+            "head_and_tail_s": self.head_and_tail_s, "cut_short": self.cut_short,
             "iterations": self.iterations, "two_sub_batch_iterations": self.two_sub_batch_iterations,
             "host_batches": self.host_batches, "host_decode_share": self.host_decode_share,
             "preemptions": self.preemptions, "gpu_kv_pool_gib": self.gpu_kv_pool_gib,
@@ -323,7 +327,8 @@ class Simulation:
             iterations=len(self.iteration_seconds), two_sub_batch_iterations=counts["two"],
             host_batches=len(self.host_batches), host_decode_tokens=counts["host_tokens"],
             gpu_decode_tokens=counts["gpu_tokens"], preemptions=self.parts.scheduler.num_preemptions,
-            steady_output_tokens_per_s=steady_throughput(log, cut_short), cut_short=cut_short,
+            steady_output_tokens_per_s=steady_throughput(log, cut_short),
+            head_and_tail_s=head_and_tail_seconds(log, cut_short), cut_short=cut_short,
             gpu_kv_pool_gib=layout.num_gpu_blocks * block_gib, cpu_kv_pool_gib=layout.num_host_blocks * block_gib,
             ttft_s=[r.first_token_time - r.arrival_time for r in started],
             tpot_s=[(r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
