@@ -302,7 +302,7 @@ def main() -> None:
     runs_to_make = [(policy, threads, pipeline, order) for policy in policies
                     for threads in (thread_counts if policy != "gpu-only" else (None,))
                     for pipeline in (pipelines if policy != "gpu-only" else ["lockstep"])
-                    for order in (orders if policy != "gpu-only" else ["oldest"])]
+                    for order in (orders if policy != "gpu-only" else [EngineConfig.return_order])]
     probes = {}  # host attention threads -> GB/s, measured before any engine holds memory
     if args.read_probe_gib > 0:
         for threads in {threads or default_cpu_attention_threads() for policy, threads, _, _ in runs_to_make

@@ -67,13 +67,13 @@ class EngineConfig:
         GPU runs the other's stages, at the price of reading the weights once per half).
     placement: where host decodes go (``neo.sched.placement``); None: the host pipeline's
         ("two-sub-batches" for lockstep, "host-batches" for async, "pipeline-choice" for auto).
-    return_order: under the offloading policies, which requests of the host pool move back to
-        the GPU pool first when it has room: "most-remaining" (the most tokens left before
-        ``max_tokens`` first; the default) or "oldest" (first come, first served). A host request makes
-        a token per host batch, a GPU request one per iteration, so the requests decoding on the
-        host fall behind, and in a batch of requests that started together the last ones finish
-        alone on a GPU that is all but idle; giving the GPU's room to those with the most left
-        shortens that tail, while those near their end finish on the host.
+    return_order: under the offloading policies, which requests of the host pool move back to the
+        GPU pool first when it has room: "most-remaining" (the most tokens left before
+        ``max_tokens`` first; the default) or "oldest" (first come, first served). A host
+        request makes a token per host batch, a GPU request one per iteration, so the requests
+        decoding on the host fall behind, and in a batch of requests that started together the
+        last ones finish alone on a GPU that is all but idle; giving the GPU's room to those
+        with the most left shortens that tail, while those near their end finish on the host.
     async_scheduling: plan and launch each iteration before the previous one's sampled tokens
         reach the host: its input ids are taken on the device from the previous iteration's
         samples, and the previous tokens are read, checked against the stop conditions and

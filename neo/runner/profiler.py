@@ -502,10 +502,9 @@ class Profiler:
         finally:
             self.free_requests(requests)
         order, parts = host_batch_sub_batches(self.host_batch_order, len(requests))
-        times = [StageTimes(model.linear(len(requests[part])), 0.0, model.host_attention(len(requests[part]),
-                                                                                          probe * len(requests[part])))
-                 for part in parts]
-        stages = iteration_seconds(order, times, model.table.pre_fraction)
+        sizes = [len(requests[part]) for part in parts]
+        seconds, _ = model.host_batch_time(order, [(size, probe * size) for size in sizes])
+        stages = seconds - model.table.host_batch_overhead  # the cost function's, without the overhead
         return measured - stages
 
     @staticmethod

@@ -77,14 +77,14 @@ class Estimates:
         """Seconds of the GPU stages of a host batch of that many decodes: each of its
         sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch)."""
         _, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
-        return sum(self.perf_model.linear(len(range(num_requests)[part])) for part in parts)
+        return sum(self.perf_model.linear(part.stop - part.start) for part in parts)
 
     def host_batch_time_of(self, num_requests: int, context_tokens: int) -> float:
         """Seconds of a host batch of that many decodes over that many context tokens (each
         sub-batch its share of them)."""
         order, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
-        sizes = [len(range(num_requests)[part]) for part in parts]
-        sub_batches = [(size, context_tokens * size // max(1, num_requests)) for size in sizes]
+        sub_batches = [(part.stop - part.start, context_tokens * (part.stop - part.start) // max(1, num_requests))
+                       for part in parts]
         return self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)[0]
 
     def host_time(self, batch: SubBatch) -> float:

@@ -15,9 +15,9 @@ async pipeline's host batches, each with ``full_offload`` as a parameter. Each i
    prefilled within the token budget, into the GPU pool while it has room, else the host pool
    while the placement judges that more host decodes would pay. Where host decodes pay,
    admissions go first; where they do not (always under gpu-only), requests on the host come
-   back first and new ones are admitted only once none is left there, as a gpu-only engine
-   swaps in before it admits. Under gpu-only
-   no request comes back in an iteration that had to evict one.
+   back first and new ones are admitted only once none is left there, as a gpu-only engine swaps
+   in before it admits. Under gpu-only no request comes back in an iteration that had to evict
+   one.
 3. **Placement.** The placement puts host decodes into the plan (sub-batch 1, or a host batch)
    and estimates it, with what was judged about whether host decodes pay.
 

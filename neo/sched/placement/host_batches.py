@@ -11,23 +11,23 @@ after the iteration that copies its blocks out.
 Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
 the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once per
 sub-batch of its order, ``linear(n)`` seconds for ``n`` host decodes in one (the sum over the
-halves in ``host-batch-pair``: ``Estimates.host_batch_gpu_time``), and beside it the iterations may run slower still
-(its kernels share the SMs, its host threads share the host with the launching thread). That
-slowdown is measured (``HostBatchInterference``: iterations beside a batch against their
-estimate alone): a batch that lasts ``T`` seconds with the iterations ``s`` times slower costs
-them ``(1 - 1/s) * T`` seconds, and at least its GPU stages' time (the only cost before anything is
-measured). In that time a steady GPU iteration (``Estimates.steady_gpu_batch``) makes
-``gpu_rate * cost`` tokens, so a host batch of ``n`` decodes gains ``n - gpu_rate * cost``
-tokens: it pays when that is positive. New requests go to the host pool while a larger host
-population would gain more, and only while the host would finish the oldest waiting request
-(its remaining output, one token per host batch) before the GPU alone drains the rest of the
-work, the work still arriving included (``host_finishes_first``): when the GPU pool is short
-only for a while, a request put in the host pool comes back to it after a few host tokens,
-which repay neither the copy back nor the GPU iterations the host batches slowed; while
-arrivals keep the GPU saturated, it never drains and the host pool stays open. A batch is
-launched when it pays, when the GPU has nothing else to do (``full-offload``, or no GPU work
-this iteration), or when its oldest request has waited ``max_host_wait`` iterations: host
-requests always progress.
+halves in ``host-batch-pair``: ``Estimates.host_batch_gpu_time``), and beside it the iterations
+may run slower still (its kernels share the SMs, its host threads share the host with the
+launching thread). That slowdown is measured (``HostBatchInterference``: iterations beside a
+batch against their estimate alone): a batch that lasts ``T`` seconds with the iterations ``s``
+times slower costs them ``(1 - 1/s) * T`` seconds, and at least its GPU stages' time (the only
+cost before anything is measured). In that time a steady GPU iteration
+(``Estimates.steady_gpu_batch``) makes ``gpu_rate * cost`` tokens, so a host batch of ``n``
+decodes gains ``n - gpu_rate * cost`` tokens: it pays when that is positive. New requests go to
+the host pool while a larger host population would gain more, and only while the host would
+finish the oldest waiting request (its remaining output, one token per host batch) before the
+GPU alone drains the rest of the work, the work still arriving included
+(``host_finishes_first``): when the GPU pool is short only for a while, a request put in the
+host pool comes back to it after a few host tokens, which repay neither the copy back nor the
+GPU iterations the host batches slowed; while arrivals keep the GPU saturated, it never drains
+and the host pool stays open. A batch is launched when it pays, when the GPU has nothing else to
+do (``full-offload``, or no GPU work this iteration), or when its oldest request has waited
+``max_host_wait`` iterations: host requests always progress.
 
 A host batch is estimated by the cost function of its order over the sub-batches the runner
 splits it into (``host-batch``: ``linear(n)`` + host attention; ``host-batch-pair``: the
