@@ -198,11 +198,11 @@ HOST_BATCH_PAIR = StageOrder(
 
 STAGE_ORDERS = {order.name: order
                 for order in (SEQUENTIAL, ASYMMETRIC, ASYMMETRIC_EARLY_HOST, HOST_BATCH, HOST_BATCH_PAIR)}
-# The orders a lockstep iteration of two sub-batches may follow (``EngineConfig.stage_order``).
-TWO_SUB_BATCH_ORDERS = tuple(name for name, order in STAGE_ORDERS.items()
-                             if order.num_sub_batches == 2 and order is not HOST_BATCH_PAIR)
 # The orders a host batch of the async host pipeline may follow (``EngineConfig.host_batch_order``).
 HOST_BATCH_ORDERS = (HOST_BATCH.name, HOST_BATCH_PAIR.name)
+# The orders a lockstep iteration of two sub-batches may follow (``EngineConfig.stage_order``).
+TWO_SUB_BATCH_ORDERS = tuple(name for name, order in STAGE_ORDERS.items()
+                             if order.num_sub_batches == 2 and name not in HOST_BATCH_ORDERS)
 
 
 def two_sub_batch_order(name: str) -> StageOrder:
