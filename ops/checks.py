@@ -14,6 +14,7 @@ check what needs no host sync and leave the value checks out.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -174,15 +175,79 @@ def check_store_kv_cache_values(k_cache, slot_mapping) -> None:
             first_token[slot] = token
 
 
+@dataclass(frozen=True)
+class BlockRows:
+    """Where the blocks (dimension 0) of a ``swap_blocks`` tensor lie, in elements: block ``b``
+    starts at ``b * block_stride`` and is ``rows`` rows of ``chunk`` contiguous elements,
+    ``pitch`` apart. A contiguous tensor's block is one row; a whole pool
+    ``[layers, 2, B, ...]`` with its block dimension moved first has one row per layer and K/V,
+    so one pitched copy moves a block of every layer."""
+
+    rows: int
+    pitch: int
+    chunk: int
+    block_stride: int
+
+
+def block_rows(tensor: torch.Tensor) -> BlockRows | None:
+    """``tensor``'s ``BlockRows``: its trailing contiguous dimensions form the chunk, the other
+    dimensions after the first collapse into rows at one pitch. None for any other layout, and
+    where rows or blocks would overlap (the CUDA kernel computes the same)."""
+    sizes, strides = tensor.shape, tensor.stride()
+    block_stride = strides[0] if tensor.dim() else 1
+    if tensor.numel() == 0:
+        return BlockRows(1, 0, 0, block_stride)
+    dim, chunk = tensor.dim() - 1, 1
+    while dim >= 1 and (sizes[dim] == 1 or strides[dim] == chunk):
+        chunk *= sizes[dim]
+        dim -= 1
+    rows, pitch, expected = 1, chunk, None  # expected: the stride that collapses the next dim
+    for dim in range(dim, 0, -1):
+        if sizes[dim] == 1:
+            continue
+        if expected is None:
+            pitch = strides[dim]
+        elif strides[dim] != expected:
+            return None
+        expected = strides[dim] * sizes[dim]
+        rows *= sizes[dim]
+    blocks = sizes[0]
+    if blocks > 1 and block_stride < chunk:
+        return None
+    if rows > 1 and (pitch < chunk or (blocks - 1) * block_stride + chunk > pitch):
+        return None
+    return BlockRows(rows, pitch, chunk, block_stride)
+
+
+def swap_blocks_rows(src: torch.Tensor, dst: torch.Tensor) -> tuple[BlockRows, BlockRows] | None:
+    """The ``BlockRows`` of ``src`` and ``dst`` split into the same rows (a one-row block is
+    re-read as rows of the other's chunk), or None when no such split exists."""
+    src_rows, dst_rows = block_rows(src), block_rows(dst)
+    if src_rows is None or dst_rows is None:
+        return None
+    if src_rows.rows != dst_rows.rows:
+        if src_rows.rows == 1:
+            src_rows = BlockRows(dst_rows.rows, dst_rows.chunk, dst_rows.chunk, src_rows.block_stride)
+        elif dst_rows.rows == 1:
+            dst_rows = BlockRows(src_rows.rows, src_rows.chunk, src_rows.chunk, dst_rows.block_stride)
+        else:
+            return None
+    return src_rows, dst_rows
+
+
 def check_swap_blocks_args(src, dst, block_mapping) -> None:
     """src and dst may be on different devices (a CPU cache and a GPU cache), but neither on
-    the meta device, which holds no data to copy."""
+    the meta device, which holds no data to copy. Each may be a view whose blocks are rows of
+    one contiguous chunk (``block_rows``)."""
     op = "swap_blocks"
     _require(src.dim() >= 1 and dst.dim() == src.dim() and src.shape[1:] == dst.shape[1:]
              and src.dtype == dst.dtype, op,
              lambda: f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must "
              f"share dtype and block shape")
-    _require(src.is_contiguous() and dst.is_contiguous(), op, "src and dst must be contiguous")
+    _require(swap_blocks_rows(src, dst) is not None, op,
+             lambda: f"src (strides {src.stride()}) and dst (strides {dst.stride()}) must each lay a "
+             f"block out as rows of one contiguous chunk at one pitch, blocks side by side within "
+             f"a row (a contiguous tensor, or a whole pool with its block dimension moved first)")
     _require(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2
              and block_mapping.shape[1] == 2, op,
              lambda: f"block_mapping must be int64 [n, 2], got {block_mapping.dtype} "

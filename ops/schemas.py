@@ -67,7 +67,8 @@ TENSORS: dict[str, dict[str, TensorSpec]] = {
         "slot_mapping": TensorSpec("[T]", "int64", "block * BS + offset; -1 skips the token; no slot twice"),
     },
     "swap_blocks": {
-        "src": TensorSpec("[B, ...]", "any", "one layer's K or V cache, any device"),
+        "src": TensorSpec("[B, ...]", "any", "cache blocks, any device: contiguous, or a pool "
+                          "[layers, 2, B, ...] seen block-first (each block: rows of one chunk)"),
         "dst": TensorSpec("[B', ...]", "src's", "written: the mapped blocks, src's block shape"),
         "block_mapping": TensorSpec("[n, 2]", "int64", "(src_block, dst_block) rows; no destination twice"),
     },

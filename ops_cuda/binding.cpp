@@ -305,6 +305,48 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 // ---- swap_blocks --------------------------------------------------------------------------
 
+// How the blocks of `tensor` (dimension 0) lie in memory, as ops/checks.py's `block_rows`
+// computes it: the trailing dimensions that are contiguous form a chunk, the other dimensions
+// after the first must collapse into rows at one pitch, and neither rows nor blocks may overlap.
+// nullopt for any other layout.
+std::optional<neo_cuda::BlockRows> block_rows(const at::Tensor& tensor) {
+  const int64_t element = static_cast<int64_t>(tensor.element_size());
+  const int64_t block_stride = tensor.dim() ? tensor.stride(0) : 1;
+  if (tensor.numel() == 0) return neo_cuda::BlockRows{1, 0, 0, block_stride * element};
+  int64_t dim = tensor.dim() - 1;
+  int64_t chunk = 1;
+  while (dim >= 1 && (tensor.size(dim) == 1 || tensor.stride(dim) == chunk)) {
+    chunk *= tensor.size(dim);
+    --dim;
+  }
+  int64_t rows = 1;
+  int64_t pitch = chunk;
+  int64_t expected = -1;  // the stride the next outer dimension needs to collapse
+  for (; dim >= 1; --dim) {
+    if (tensor.size(dim) == 1) continue;
+    if (expected < 0) {
+      pitch = tensor.stride(dim);
+    } else if (tensor.stride(dim) != expected) {
+      return std::nullopt;
+    }
+    expected = tensor.stride(dim) * tensor.size(dim);
+    rows *= tensor.size(dim);
+  }
+  const int64_t blocks = tensor.size(0);
+  if (blocks > 1 && block_stride < chunk) return std::nullopt;
+  if (rows > 1 && (pitch < chunk || (blocks - 1) * block_stride + chunk > pitch)) {
+    return std::nullopt;
+  }
+  return neo_cuda::BlockRows{rows, pitch * element, chunk * element, block_stride * element};
+}
+
+// `layout`, a block of one row, re-read as rows of `other`'s chunk (the rows of the other
+// tensor's blocks, which have the same shape): a contiguous block is any split of itself.
+neo_cuda::BlockRows split_like(const neo_cuda::BlockRows& layout, const neo_cuda::BlockRows& other) {
+  return neo_cuda::BlockRows{other.rows, other.chunk_bytes, other.chunk_bytes,
+                             layout.block_stride_bytes};
+}
+
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   const char* op = "swap_blocks";
   NEO_CHECK(src.dim() >= 1 && dst.dim() == src.dim() &&
@@ -312,7 +354,17 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
                 src.scalar_type() == dst.scalar_type(),
             op, "src ", src.scalar_type(), " ", src.sizes(), " and dst ", dst.scalar_type(), " ",
             dst.sizes(), " must share dtype and block shape");
-  NEO_CHECK(src.is_contiguous() && dst.is_contiguous(), op, "src and dst must be contiguous");
+  std::optional<neo_cuda::BlockRows> src_layout = block_rows(src);
+  std::optional<neo_cuda::BlockRows> dst_layout = block_rows(dst);
+  if (src_layout && dst_layout && src_layout->rows != dst_layout->rows) {
+    if (src_layout->rows == 1) src_layout = split_like(*src_layout, *dst_layout);
+    else if (dst_layout->rows == 1) dst_layout = split_like(*dst_layout, *src_layout);
+  }
+  NEO_CHECK(src_layout && dst_layout && src_layout->rows == dst_layout->rows, op,
+            "src (strides ", src.strides(), ") and dst (strides ", dst.strides(),
+            ") must each lay a block out as rows of one contiguous chunk at one pitch, "
+            "blocks side by side within a row (a contiguous tensor, or a whole pool with its "
+            "block dimension moved first)");
   NEO_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 &&
                 block_mapping.size(1) == 2,
             op, "block_mapping must be int64 [n, 2], got ", block_mapping.scalar_type(), " ",
@@ -373,10 +425,9 @@ void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block
           "pin_memory=True");
     }
   }
-  const int64_t block_bytes = src.numel() / src.size(0) * static_cast<int64_t>(src.element_size());
   const c10::cuda::CUDAGuard device_guard(device_tensor.device());
-  C10_CUDA_CHECK(neo_cuda::swap_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, pairs,
-                                       num_pairs, kind, current_stream(device_tensor)));
+  C10_CUDA_CHECK(neo_cuda::swap_blocks(src.data_ptr(), *src_layout, dst.data_ptr(), *dst_layout,
+                                       pairs, num_pairs, kind, current_stream(device_tensor)));
 }
 
 // ---- prefill_attention --------------------------------------------------------------------

@@ -165,11 +165,23 @@ void launch_prefill_attention(void* out, int64_t out_token_stride, int64_t out_h
 
 // ---- block swaps ----------------------------------------------------------------------------
 
-// Copies block mapping[i][0] of `src` to block mapping[i][1] of `dst` (blocks of `block_bytes`
-// bytes) with one cudaMemcpyAsync per run of consecutive pairs. `mapping` is host memory,
+// Where the blocks of one swap_blocks tensor lie, in bytes: block b starts at
+// b * block_stride_bytes and is `rows` rows of `chunk_bytes` contiguous bytes, `pitch_bytes`
+// apart (rows == 1 for a contiguous tensor).
+struct BlockRows {
+  int64_t rows;
+  int64_t pitch_bytes;
+  int64_t chunk_bytes;
+  int64_t block_stride_bytes;
+};
+
+// Copies block mapping[i][0] of `src` to block mapping[i][1] of `dst` (same rows and chunk)
+// with one pitched cudaMemcpy2DAsync per run of consecutive pairs (a plain copy when a block
+// is one row; row by row when a pitch exceeds the device's limit). `mapping` is host memory,
 // `num_pairs` rows of two int64; ids must already be validated.
-cudaError_t swap_blocks(const void* src, void* dst, int64_t block_bytes, const int64_t* mapping,
-                        int64_t num_pairs, cudaMemcpyKind kind, cudaStream_t stream);
+cudaError_t swap_blocks(const void* src, const BlockRows& src_layout, void* dst,
+                        const BlockRows& dst_layout, const int64_t* mapping, int64_t num_pairs,
+                        cudaMemcpyKind kind, cudaStream_t stream);
 
 // Whether `pointer` lies in page-locked host memory (cudaHostAlloc / cudaHostRegister).
 bool is_pinned_host_memory(const void* pointer);

@@ -3,8 +3,10 @@
 ``Faults.install(engine)`` wraps, on that engine object only, the places where a real fault
 would surface:
 
-- ``swap``: a whole-request block copy between the pools, raising after half the layers were
-  copied (``KVCache.swap_layer`` of the middle layer), so the copy is partial;
+- ``swap``: a whole-request block copy between the pools. Copied layer by layer (an eager
+  walk's ``KVCache.swap_layer``), it raises after half the layers were copied, so the copy is
+  partial; copied over all layers at once (``KVCache.swap``: a plan with no sub-batch, or one
+  that replays a graph), it raises before the copy;
 - ``iteration``: the compute executor, raising in the middle layer's pre-attention stage,
   after the lower layers wrote their K/V;
 - ``launch``: launching a host batch (async host pipeline), raising in the middle layer of
@@ -66,6 +68,13 @@ class Faults:
             return swap_layer(layer_index, swap_out, swap_in)
 
         engine.kv_cache.swap_layer = faulty_swap_layer
+        swap = engine.kv_cache.swap
+
+        def faulty_swap(swap_out, swap_in):
+            self.check("swap")
+            return swap(swap_out, swap_in)
+
+        engine.kv_cache.swap = faulty_swap
         self._wrap_pre(engine.runner.executor, "iteration", middle)
         if engine.runner.host_batches is not None:
             self._wrap_pre(engine.runner.host_batches.executor, "launch", middle)

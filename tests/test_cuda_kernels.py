@@ -257,6 +257,43 @@ def test_swap_pageable_memory_warns_and_still_copies(cuda_ops, capfd):
         assert torch.equal(host[destination], gpu[source].cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_of_whole_pools_through_pinned_memory(cuda_ops, dtype):
+    """Pools [layers, 2, B, ...] seen block-first: each run of blocks moves, every layer, K and
+    V, in one pitched copy each way; the blocks of other ids keep their data in every layer."""
+    gpu_pool = torch.randn(3, 2, 12, 4, 16, 64, device="cuda").to(dtype)
+    host_pool = torch.full((3, 2, 14, 4, 16, 64), -7.0, dtype=dtype).pin_memory()
+    back_pool = torch.full_like(gpu_pool, float("nan"))
+    mapping = torch.tensor(MAPPING_WITH_RUNS, dtype=torch.int64)
+    cuda_ops.swap_blocks(gpu_pool.movedim(2, 0), host_pool.movedim(2, 0), mapping)
+    cuda_ops.swap_blocks(host_pool.movedim(2, 0), back_pool.movedim(2, 0), mapping.flip(1).contiguous())
+    torch.cuda.synchronize()
+    for source, destination in MAPPING_WITH_RUNS:
+        assert torch.equal(host_pool[:, :, destination], gpu_pool[:, :, source].cpu())
+        assert torch.equal(back_pool[:, :, source], gpu_pool[:, :, source])
+    untouched = sorted(set(range(14)) - {destination for _, destination in MAPPING_WITH_RUNS})
+    assert (host_pool[:, :, untouched] == -7.0).all()
+    unread = sorted(set(range(12)) - {source for source, _ in MAPPING_WITH_RUNS})
+    assert torch.isnan(back_pool[:, :, unread].float()).all()
+
+
+def test_swap_with_a_pitch_past_the_2d_copy_limit(cuda_ops):
+    """A host pool whose rows lie more than cudaDevAttrMaxPitch apart (2 GiB) is copied row by
+    row. The host tensor is pageable and never written outside the mapped blocks, so only
+    those pages are ever backed."""
+    chunk = 4096
+    num_host_blocks = 2**31 // chunk + 8  # cudaDevAttrMaxPitch is 2**31 - 1 on CUDA GPUs
+    host_pool = torch.empty((2, num_host_blocks, chunk), dtype=torch.uint8)
+    gpu_pool = torch.randint(0, 255, (2, 6, chunk), dtype=torch.uint8, device="cuda")
+    mapping = torch.tensor([[0, 0], [1, 1], [4, num_host_blocks - 1]], dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pageable-memory warning
+        cuda_ops.swap_blocks(gpu_pool.movedim(1, 0), host_pool.movedim(1, 0), mapping)
+    torch.cuda.synchronize()
+    for source, destination in mapping.tolist():
+        assert torch.equal(host_pool[:, destination], gpu_pool[:, source].cpu())
+
+
 def test_swap_within_the_gpu(cuda_ops):
     src = cache_blocks(12)
     dst = torch.full_like(src, float("nan"))

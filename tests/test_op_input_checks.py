@@ -469,13 +469,6 @@ def _read_and_written(a, draw):
     return {"dst": src, "block_mapping": torch.tensor([[first, second], [second, first]])}
 
 
-def _dst_non_contiguous(a, draw):
-    dst = a["dst"]
-    spread = torch.empty((2 * dst.shape[0], *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
-    spread[::2] = dst
-    return {"dst": spread[::2]}
-
-
 SWAP_BLOCKS = OpCases(build_swap_blocks, {
     "dtype-mismatch": Corruption(
         lambda a, draw: {"dst": a["dst"].to(draw(st.sampled_from(
@@ -486,7 +479,8 @@ SWAP_BLOCKS = OpCases(build_swap_blocks, {
         "src .* and dst .* must share dtype and block shape"),
     "src-zero-dimensional": Corruption(lambda a, draw: {"src": a["src"].flatten()[0].clone()},
                                        "src .* and dst .* must share dtype and block shape"),
-    "dst-non-contiguous": Corruption(_dst_non_contiguous, "src and dst must be contiguous",
+    "dst-blocks-overlap": Corruption(lambda a, draw: {"dst": a["dst"][:1].expand_as(a["dst"])},
+                                     "must each lay a block out as rows of one contiguous chunk",
                                      nonempty=True),
     "mapping-dtype": Corruption(lambda a, draw: {"block_mapping": a["block_mapping"].int()},
                                 r"block_mapping must be int64 \[n, 2\]"),

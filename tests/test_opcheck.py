@@ -29,8 +29,10 @@ def store_kv_cache_arguments(device, generator):
 
 
 def swap_blocks_arguments(device, generator):
-    src = random_tensor((6, 2, 16, 64), torch.bfloat16, generator, device)
-    dst = random_tensor((5, 2, 16, 64), torch.bfloat16, generator, device)
+    """Two pools [layers, 2, B, KVH, BS, D] seen with their block dimension first, as the
+    engine swaps every layer at once."""
+    src = random_tensor((3, 2, 6, 2, 16, 64), torch.bfloat16, generator, device).movedim(2, 0)
+    dst = random_tensor((3, 2, 5, 2, 16, 64), torch.bfloat16, generator, device).movedim(2, 0)
     return src, dst, torch.tensor([[0, 4], [5, 1], [2, 2]])
 
 

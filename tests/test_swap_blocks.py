@@ -73,6 +73,43 @@ def test_empty_mapping(implementation, src_device, dst_device, generator):
     check(implementation, src, dst, torch.empty((0, 2), dtype=torch.int64))
 
 
+# Blocks [B, 3, 2, 4, 8] as views of pools [*leading, B, ...] with the block dimension moved
+# first, so a block is one row per leading index (the engine's whole pool has leading
+# (layers, 2), one layer of it leading (2,)), against each other and against contiguous
+# tensors. The mapping has runs of consecutive blocks.
+POOL_LAYOUTS = {
+    "pool-to-pool": ((3, 2), (3, 2)),
+    "layer-to-layer": ((3,), (3,)),
+    "contiguous-to-pool": (None, (3, 2)),
+    "pool-to-contiguous": ((3, 2), None),
+    "strided-blocks": ("every-other", "every-other"),
+}
+MAPPING_WITH_RUNS = [(0, 3), (1, 4), (2, 5), (7, 0), (9, 1), (10, 2), (4, 9), (6, 11), (12, 16)]
+
+
+def blocks_laid_out(layout, num_blocks, dtype, generator, device):
+    """Random ``[num_blocks, 3, 2, 4, 8]`` blocks laid out as ``layout`` says: a pool's leading
+    dimensions, None for contiguous, or every other block of a twice longer tensor."""
+    block_shape = (4, 8)
+    if layout is None:
+        return random_tensor((num_blocks, 3, 2, *block_shape), dtype, generator, device)
+    if layout == "every-other":
+        return random_tensor((2 * num_blocks, 3, 2, *block_shape), dtype, generator, device)[::2]
+    pool = random_tensor((*layout, num_blocks, *((3, 2)[len(layout):]), *block_shape), dtype,
+                         generator, device)
+    return pool.movedim(len(layout), 0)
+
+
+@pytest.mark.parametrize("layouts", POOL_LAYOUTS.values(), ids=POOL_LAYOUTS.keys())
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("implementation", "src_device", "dst_device"), PAIRS)
+def test_pool_views_match_block_by_block_copy(implementation, src_device, dst_device, dtype,
+                                              layouts, generator):
+    src = blocks_laid_out(layouts[0], 13, dtype, generator, src_device)
+    dst = blocks_laid_out(layouts[1], 17, dtype, generator, dst_device)
+    check(implementation, src, dst, torch.tensor(MAPPING_WITH_RUNS, dtype=torch.int64))
+
+
 BAD_INPUTS = {
     # name: (how to break (src, dst, block_mapping), phrase of the error, reads values)
     "src-block-past-end": (lambda s, d, m: (s, d, torch.tensor([[0, 1], [s.shape[0], 2]])),
@@ -87,8 +124,10 @@ BAD_INPUTS = {
                       False),
     "mapping-shape": (lambda s, d, m: (s, d, m[:, :1].contiguous()),
                       r"block_mapping must be int64 \[n, 2\]", False),
-    "dst-non-contiguous": (lambda s, d, m: (s, d.transpose(0, 1).contiguous().transpose(0, 1), m),
-                           "must be contiguous", False),
+    "dst-inner-transposed": (lambda s, d, m: (s, d.transpose(2, 3).contiguous().transpose(2, 3), m),
+                             "must each lay a block out as rows of one contiguous chunk", False),
+    "dst-blocks-overlap": (lambda s, d, m: (s, d[:1].expand_as(d), m),
+                           "must each lay a block out as rows of one contiguous chunk", False),
 }
 
 

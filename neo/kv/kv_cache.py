@@ -106,6 +106,16 @@ def _allocate(pool: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
                          f"({error.__class__.__name__}); lower {setting}") from None
 
 
+def _swap(gpu_blocks: torch.Tensor, host_blocks: torch.Tensor, gpu_to_host: torch.Tensor,
+          host_to_gpu: torch.Tensor) -> None:
+    """Copy the mapped blocks of two pool views with the block dimension first (see
+    ``KVCache.swap_layer`` for the mappings)."""
+    if gpu_to_host.numel():
+        torch.ops.neo.swap_blocks(gpu_blocks, host_blocks, gpu_to_host)
+    if host_to_gpu.numel():
+        torch.ops.neo.swap_blocks(host_blocks, gpu_blocks, host_to_gpu)
+
+
 class KVCache:
     """Per-layer K and V caches in both pools, ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 
@@ -139,17 +149,16 @@ class KVCache:
             self.host = None
 
     def swap_layer(self, layer: int, gpu_to_host: torch.Tensor, host_to_gpu: torch.Tensor) -> None:
-        """Copy whole blocks of one layer between the pools.
+        """Copy whole blocks of one layer, K and V, between the pools.
 
         gpu_to_host: int64 ``[n, 2]`` host tensor of (gpu_block, host_block) rows.
         host_to_gpu: int64 ``[m, 2]`` host tensor of (host_block, gpu_block) rows.
         Runs on the caller's current stream.
         """
-        gpu_k, gpu_v = self.gpu_layers[layer]
-        host_k, host_v = self.host_layers[layer]
-        if gpu_to_host.numel():
-            torch.ops.neo.swap_blocks(gpu_k, host_k, gpu_to_host)
-            torch.ops.neo.swap_blocks(gpu_v, host_v, gpu_to_host)
-        if host_to_gpu.numel():
-            torch.ops.neo.swap_blocks(host_k, gpu_k, host_to_gpu)
-            torch.ops.neo.swap_blocks(host_v, gpu_v, host_to_gpu)
+        _swap(self.gpu[layer].movedim(1, 0), self.host[layer].movedim(1, 0), gpu_to_host, host_to_gpu)
+
+    def swap(self, gpu_to_host: torch.Tensor, host_to_gpu: torch.Tensor) -> None:
+        """``swap_layer`` for every layer at once: each block of the mapping moves, all layers,
+        K and V, in one pitched copy per run of consecutive blocks (the pools seen as
+        ``[blocks, layers, 2, ...]``). Runs on the caller's current stream."""
+        _swap(self.gpu.movedim(2, 0), self.host.movedim(2, 0), gpu_to_host, host_to_gpu)

@@ -295,6 +295,4 @@ class ModelRunner:
         """Copy the plan's swapped blocks, every layer, on the current stream: work queued after
         this (a graph replay, which cannot wait for them layer by layer as an eager walk does)
         sees them moved."""
-        swap_out, swap_in = block_pairs(plan.swap_out), block_pairs(plan.swap_in)
-        for layer_index in range(self.kv_cache.layout.num_layers):
-            self.kv_cache.swap_layer(layer_index, swap_out, swap_in)
+        self.kv_cache.swap(block_pairs(plan.swap_out), block_pairs(plan.swap_in))
