@@ -1,11 +1,13 @@
 """``KVCache`` swaps: every layer at once (``swap``, what a plan that replays a graph or has no
 sub-batch runs) against layer by layer (``swap_layer``, the eager walk), on the CPU and, where
-there is one, a GPU with the page-locked host pool."""
+there is one, a GPU with the page-locked host pool; and the parallel zeroing that faults the
+host pool in before it is page-locked."""
 
 import pytest
 import torch
 
 from conftest import cuda_skip_reason
+from neo.kv.host_memory import HUGE_PAGE_BYTES, huge_page_zeros, zero_in_parallel
 from neo.kv.kv_cache import CacheLayout, KVCache
 
 DEVICES = [pytest.param(device, marks=[pytest.mark.skip(reason=cuda_skip_reason(device))]
@@ -60,3 +62,13 @@ def test_whole_pool_swap_equals_layer_by_layer_swaps(device):
     _, _, gpu_layers, host_layers = swapped_pools(device, layer_by_layer=True)
     assert torch.equal(gpu_whole, gpu_layers) and torch.equal(host_whole, host_layers)
 
+
+@pytest.mark.parametrize("num_bytes, threads", [(1, 4), (3 * HUGE_PAGE_BYTES + 12345, 2),
+                                                (8 * HUGE_PAGE_BYTES, 3), (5 * HUGE_PAGE_BYTES, 16)])
+def test_zero_in_parallel_zeroes_every_byte(num_bytes, threads):
+    """Slices of whole 2 MiB ranges, one per thread, the last one short; more threads than
+    ranges leaves the spare ones idle."""
+    tensor = huge_page_zeros((num_bytes,), torch.uint8)
+    tensor.fill_(7)
+    zero_in_parallel(tensor, threads)
+    assert not tensor.any()

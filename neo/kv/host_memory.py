@@ -4,11 +4,17 @@ Decode attention over a host cache reads each block of 4 KiB-32 KiB from scatter
 in 4 KiB pages every block costs TLB misses and the hardware prefetchers stop at each page
 boundary. Transparent huge pages remove most of that. Where the system offers no huge pages the
 memory stays in 4 KiB pages.
+
+Page-locking (``cudaHostRegister``) a range faults in every page not yet present, one at a
+time on the calling thread. ``zero_in_parallel`` faults them in from several threads first,
+so registering only pins pages that are already there.
 """
 
 import ctypes
 import math
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,3 +35,18 @@ def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
             pass  # transparent huge pages are disabled: plain pages
     start = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % HUGE_PAGE_BYTES
     return torch.frombuffer(buffer, dtype=torch.uint8)[start:start + nbytes].view(dtype).view(shape)
+
+
+def zero_in_parallel(tensor: torch.Tensor, threads: int | None = None) -> None:
+    """Write zeros over a contiguous host tensor's bytes from ``threads`` threads (default: the
+    cores this process may run on), each over its own slice, so the page faults of untouched
+    memory run side by side. ``ctypes.memset`` releases the GIL."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    threads = threads or len(os.sched_getaffinity(0))
+    step = -(-nbytes // threads // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # whole 2 MiB ranges
+    base = tensor.data_ptr()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda start: ctypes.memset(base + start, 0, min(step, nbytes - start)),
+                      range(0, nbytes, step)))

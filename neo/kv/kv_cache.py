@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .host_memory import huge_page_zeros
+from .host_memory import huge_page_zeros, zero_in_parallel
 from neo.models.config import ModelConfig
 from neo.models.parallel import TensorParallel
 
@@ -133,6 +133,7 @@ class KVCache:
         self.host = _allocate("host", layout.pool_shape(layout.num_host_blocks), layout.dtype, torch.device("cpu"))
         if device.type == "cuda" and layout.num_host_blocks:
             logger.info("page-locking the %.1f GiB host KV cache", self.host.numel() * self.host.element_size() / GIB)
+            zero_in_parallel(self.host)  # faults its pages in from every core before the pin
             _pin(self.host)
         self.gpu_layers = [(self.gpu[i, 0], self.gpu[i, 1]) for i in range(layout.num_layers)]
         self.host_layers = [(self.host[i, 0], self.host[i, 1]) for i in range(layout.num_layers)]
