@@ -104,7 +104,9 @@ def running_requests(scheduler, location: KVLocation, count: int, prompt_len: in
 def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_requests, pays):
     """GPU: 10 decodes, 10 ms an iteration (1000 tokens/s); a host batch's stages take 10 ms
     whatever its size, 10 tokens' worth of GPU time: it pays above 10 requests. A batch that
-    does not pay waits ``max_host_wait`` iterations, then runs anyway."""
+    does not pay is not launched, however long its requests wait: they wait to come back to
+    the GPU pool, as a gpu-only engine's preempted requests do (next test: unless one never
+    fits it)."""
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
     scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)  # full: no moves back
@@ -119,8 +121,26 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
             assert len(plan.host_batch.host_decodes) == host_requests
         execute(scheduler, plan, host_batch=plan.host_batch.host_decodes if plan.host_batch else None,
                 host_batch_seconds=None)
-    expected = [True] * len(launches) if pays else [False] * scheduler.max_host_wait + [True]
-    assert launches == expected
+    assert launches == [pays] * len(launches)
+
+
+def test_a_host_request_that_never_fits_the_gpu_pool_decodes_when_overdue():
+    """The pools of the test above with one host request longer than the whole GPU pool: its
+    batch does not pay, but it can never come back to the GPU, so it runs once the request has
+    waited ``max_host_wait`` iterations."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    running_requests(scheduler, GPU, 10)
+    [long_request] = running_requests(scheduler, HOST, 1, prompt_len=10 * 16 + 1)
+    assert scheduler.never_fits_gpu(long_request)
+    launches = []
+    for _ in range(scheduler.max_host_wait + 1):
+        plan = scheduler.schedule()
+        launches.append(plan.host_batch is not None)
+        execute(scheduler, plan, host_batch=plan.host_batch.host_decodes if plan.host_batch else None,
+                host_batch_seconds=None)
+    assert launches == [False] * scheduler.max_host_wait + [True]
 
 
 @pytest.mark.parametrize("waiting, admits", [(8, False), (200, True)])
@@ -139,6 +159,28 @@ def test_the_host_pool_admits_only_requests_it_finishes_before_the_gpu_drains(wa
         scheduler.add(request)
     pays, more_pay = scheduler.placement.economics(scheduler, gpu_requests, [])
     assert (pays, more_pay) == (admits, admits)
+
+
+@pytest.mark.parametrize("host_seconds_per_token, admits", [(1e-6, True), (5e-4, False)])
+def test_the_host_pool_opens_only_for_a_population_the_host_finishes_in_time(host_seconds_per_token, admits):
+    """The pools of the test above with 200 requests waiting (the GPU drains in about 4.7 s): a
+    host population gains above 17 requests. With host attention nearly free, a host batch of
+    32 takes about 10 ms, 40 tokens 0.4 s: the pool opens. At 0.5 ms per context token a batch of
+    32 takes about 0.16 s, 40 tokens 6.4 s, longer than the GPU's drain: the population that
+    would gain is never reached (the oldest waiting request alone would finish in time, but a
+    few requests on the host do not pay and would straggle), so the pool stays closed."""
+    model = synthetic_model(0.0, 0.0, host_seconds_per_token)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    gpu_requests = running_requests(scheduler, GPU, 10, max_tokens=5)
+    for request in requests_of(200, prompt_len=8, max_tokens=40):
+        scheduler.add(request)
+    placement, estimates = scheduler.placement, scheduler.estimates
+    rate = 1700.0
+    one_finishes = 40 * estimates.host_batch_time_of(1, 9) <= estimates.gpu_drain_time(
+        gpu_requests, list(scheduler.waiting)[1:], rate, 2048, scheduler.arrivals.arriving_work())
+    assert one_finishes  # the old rule, which judged one request more, would have opened the pool
+    assert placement.economics(scheduler, gpu_requests, []) == (admits, admits)
 
 
 @pytest.mark.parametrize("output_per_s, drain_s", [(0.0, 2.0), (500.0, 4.0), (750.0, 8.0), (1000.0, math.inf),
@@ -217,8 +259,8 @@ def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_sl
     """40 host requests: a batch lasts 50 ms (10 ms of GPU stages, 40 ms of host attention),
     so before anything is measured it costs 10 tokens of GPU time and pays. Beside it the GPU
     iterations measure 2x slower: it costs (1 - 1/2) * 50 ms, 25 tokens, and still pays; 10x
-    slower: 45 tokens, more than its 40, so batches wait ``max_host_wait`` iterations, then
-    run anyway."""
+    slower: 45 tokens, more than its 40, so no batch runs: the requests wait to come back to
+    the GPU pool."""
     scheduler = slow_host_batch_scheduler(40)
     launches = [run_iteration(scheduler, slowdown=2.0).host_batch is not None
                 for _ in range(HostBatchInterference().min_samples + 2)]
@@ -234,7 +276,7 @@ def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_sl
         interference.observe(0.01, 0.1, beside_host_batch=True)
     launches = [run_iteration(scheduler, slowdown=10.0).host_batch is not None
                 for _ in range(scheduler.max_host_wait + 1)]
-    assert launches == [False] * scheduler.max_host_wait + [True]
+    assert not any(launches) and not scheduler.host_decodes_pay
 
 
 def test_without_gpu_work_a_host_batch_runs_whatever_it_pays():

@@ -25,6 +25,7 @@ from neo.sim.simulator import Simulation
 from neo.sim.stage_times import StageModel, synthesize_table
 
 PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
+PROFILE_70B_TP2 = str(resources.files("neo.sim.profiles").joinpath("llama-3.1-70b-tp2-h200-profile.json"))
 SMALL = dict(model="llama-3.1-8b", hardware=preset("g5.2xlarge"), gpu_kv_cache_gib=0.25, cpu_kv_cache_gib=8.0,
              max_num_seqs=64, max_num_batched_tokens=2048)
 
@@ -180,6 +181,24 @@ def test_short_requests_on_a_small_gpu_pool_run_no_slower_under_neo():
     assert neo.output_tokens_per_s >= 0.97 * gpu_only.output_tokens_per_s
 
 
+@pytest.mark.parametrize("workload", ["synthetic:input=1000,output=300", "synthetic:input=370,output=45"])
+def test_host_decodes_that_do_not_pay_do_not_run(workload):
+    """Llama-3.1-70B on two H200s (the measured profile of a rank; both ranks' pools and host
+    cores), 6 GiB of GPU pool per rank: no host population pays beside 38 GPU decodes, so neo
+    admits none and decodes no request the GPU evicts to the host pool; it waits to come back,
+    and neo runs as fast as gpu-only. Admitting a population that pays only at a size the host
+    cannot finish in time, and decoding every host request that waited ``max_host_wait``
+    iterations, made it 0.93x on 1000/300 (0.91x measured on the two GPUs)."""
+    hardware = with_overrides(preset("h100"), {"gpu_memory_gib": 280, "host_cores": 32})
+    scenario = Scenario(model="llama-3.1-70b", hardware=hardware, workload=workload, num_requests=100,
+                        gpu_kv_cache_gib=12.0, cpu_kv_cache_gib=48.0, profile=PROFILE_70B_TP2,
+                        policies=("gpu-only", "neo"))
+    gpu_only, neo = run_scenario(scenario)
+    assert neo.finished_requests == gpu_only.finished_requests == 100
+    assert neo.host_decode_tokens == 0
+    assert neo.output_tokens_per_s >= 0.99 * gpu_only.output_tokens_per_s
+
+
 def within_objective(result, ttft_s: float, tpot_s: float) -> float:
     """The fraction of the run's requests whose first token came within ``ttft_s`` of their
     arrival and whose later tokens came ``tpot_s`` apart on average."""
@@ -244,13 +263,15 @@ def test_no_host_attention_makes_neo_plan_as_gpu_only(override):
     ("neo-tiny", 2, 4 - 2)])
 def test_launching_a_host_batch_holds_the_engine_until_the_driver_queues_its_host_functions(model, queued,
                                                                                            waited_layers):
-    """Async neo: the engine queues two parts of 16 layers of a host batch at a launch (all the
-    layers of a smaller model); each launch moves the clock on by its host attention's share of
-    those beyond ``queued_host_functions``, before the GPU iteration planned with it starts."""
+    """The async host pipeline (full-offload: every decode is in a host batch, whether or not it
+    pays, so the tiny model launches some too): the engine queues two parts of 16 layers of a
+    host batch at a launch (all the layers of a smaller model); each launch moves the clock on
+    by its host attention's share of those beyond ``queued_host_functions``, before the GPU
+    iteration planned with it starts."""
     hardware = with_overrides(preset("h100"), {"queued_host_functions": queued})
     config = Scenario(model=model, hardware=hardware, workload="synthetic:input=1,output=1",
-                      num_requests=1, policies=("neo",), gpu_kv_cache_gib=1.0 if model != "neo-tiny" else 0.001,
-                      cpu_kv_cache_gib=32.0).engine_config("neo")
+                      num_requests=1, policies=("full-offload",), gpu_kv_cache_gib=1.0 if model != "neo-tiny" else 0.001,
+                      cpu_kv_cache_gib=32.0).engine_config("full-offload")
     table = synthesize_table(resolve_model_config(model), hardware, max_num_batched_tokens=8192,
                              max_num_seqs=256, max_model_len=4096, pool_tokens=1 << 20)
     simulation = Simulation(config, resolve_model_config(model), hardware, table, 4096)

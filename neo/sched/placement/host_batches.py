@@ -19,15 +19,20 @@ times slower costs them ``(1 - 1/s) * T`` seconds, and at least its GPU stages' 
 cost before anything is measured). In that time a steady GPU iteration
 (``Estimates.steady_gpu_batch``) makes ``gpu_rate * cost`` tokens, so a host batch of ``n``
 decodes gains ``n - gpu_rate * cost`` tokens: it pays when that is positive. New requests go to
-the host pool while a larger host population would gain more, and only while the host would
-finish the oldest waiting request (its remaining output, one token per host batch) before the
-GPU alone drains the rest of the work, the work still arriving included
-(``host_finishes_first``): when the GPU pool is short only for a while, a request put in the
-host pool comes back to it after a few host tokens, which repay neither the copy back nor the
-GPU iterations the host batches slowed; while arrivals keep the GPU saturated, it never drains
-and the host pool stays open. A batch is launched when it pays, when the GPU has nothing else to
-do (``full-offload``, or no GPU work this iteration), or when its oldest request has waited
-``max_host_wait`` iterations: host requests always progress.
+the host pool while a larger host population would gain more, and only while the host, at that
+population's batch time, would finish the oldest waiting request (its remaining output, one
+token per host batch) before the GPU alone drains the rest of the work, the work still arriving
+included (``host_finishes_first``): when the GPU pool is short only for a while, a request put
+in the host pool comes back to it after a few host tokens, which repay neither the copy back nor
+the GPU iterations the host batches slowed; a population that would pay only at a size the host
+cannot finish in time is never reached, and the part of it admitted would straggle; while
+arrivals keep the GPU saturated, it never drains and the host pool stays open. A batch is
+launched when it pays, when the GPU has nothing else to do (``full-offload``, or no GPU work
+this iteration), or when its oldest request has waited ``max_host_wait`` iterations while host
+decodes pay (or it can never fit the GPU pool). Where they do not pay, host requests (a GPU
+request evicted to the host pool, a population the measured slowdown turned unprofitable) wait
+to come back to the GPU pool, which they do before any new request is admitted, as a gpu-only
+engine's preempted requests do.
 
 A host batch is estimated by the cost function of its order over the sub-batches the runner
 splits it into (``host-batch``: ``linear(n)`` + host attention; ``host-batch-pair``: the
@@ -164,8 +169,10 @@ class HostBatches(Placement):
         if self.in_flight is not None or not host_requests:
             return []
         context = sum(r.num_tokens for r in host_requests)
+        overdue = scheduler.host_decode_due and (scheduler.host_decodes_pay
+                                                 or any(map(scheduler.never_fits_gpu, host_requests)))
         if not (self.full_offload or self._gain(scheduler, batch0, len(host_requests), context) > 0
-                or not batch0 or scheduler.host_decode_due):
+                or not batch0 or overdue):
             return []
         return scheduler.oldest_first(host_requests)[:scheduler.config.max_num_seqs]
 
@@ -202,27 +209,30 @@ class HostBatches(Placement):
             return requests - gpu_rate * self.gpu_cost(estimates, requests, context) if requests else 0.0
 
         current = gain(len(host_requests), host_context)
-        extras = scheduler.extra_requests()  # none when nothing waits
-        if extras and not self.host_finishes_first(scheduler, gpu_requests, host_requests, gpu_rate):
-            extras = []
+        extras = [(extra, context) for extra, context in scheduler.extra_requests()  # none when nothing waits
+                  if self.host_finishes_first(scheduler, gpu_requests, host_requests, gpu_rate, extra, context)]
         best_more = max((gain(len(host_requests) + extra, host_context + context) for extra, context in extras),
                         default=0.0)
         return max(current, best_more) > 0, best_more > max(current, 0.0)
 
     def host_finishes_first(self, scheduler, gpu_requests: list[Request], host_requests: list[Request],
-                            gpu_rate: float) -> bool:
-        """Whether the oldest waiting request, put in the host pool now, would finish there
-        before the GPU alone drains the rest of the work: its remaining output, one token per
-        host batch of the host population with it, against ``Estimates.gpu_drain_time`` of the
-        GPU requests and the requests waiting behind it at ``gpu_rate``, with the work still
-        arriving (``Scheduler.arrivals``). If not, the GPU pool is short only for a while: the
-        request would return to the GPU pool once that has room, after a few host tokens that do
-        not repay the copy back and the GPU iterations its host batches slowed, or straggle on
-        the host after the GPU has finished. While arrivals keep the GPU saturated it never
-        drains, and the host pool stays open."""
-        head, *behind = scheduler.waiting
-        seconds, _ = scheduler.estimates.host_batch_time([*host_requests, head])
-        drain = scheduler.estimates.gpu_drain_time(gpu_requests, behind, gpu_rate,
-                                                   scheduler.config.max_num_batched_tokens,
-                                                   scheduler.arrivals.arriving_work())
+                            gpu_rate: float, extra: int, extra_context: int) -> bool:
+        """Whether the oldest waiting request, put in the host pool now with the ``extra - 1``
+        behind it (``extra_context`` tokens in all), would finish there before the GPU alone
+        drains the rest of the work: its remaining output, one token per host batch of the host
+        population with them, against ``Estimates.gpu_drain_time`` of the GPU requests and the
+        requests still waiting at ``gpu_rate``, with the work still arriving
+        (``Scheduler.arrivals``). Judged for the population that would gain, not for one more
+        request: a host population that pays only at a size the host cannot finish in time is
+        never reached, and the part of it admitted straggles. If not, the GPU pool is short only
+        for a while: the requests would return to the GPU pool once that has room, after a few
+        host tokens that do not repay the copy back and the GPU iterations their host batches
+        slowed, or straggle on the host after the GPU has finished. While arrivals keep the GPU
+        saturated it never drains, and the host pool stays open."""
+        estimates = scheduler.estimates
+        head, behind = scheduler.waiting[0], list(scheduler.waiting)[extra:]
+        seconds = estimates.host_batch_time_of(len(host_requests) + extra,
+                                               sum(r.num_tokens for r in host_requests) + extra_context)
+        drain = estimates.gpu_drain_time(gpu_requests, behind, gpu_rate, scheduler.config.max_num_batched_tokens,
+                                         scheduler.arrivals.arriving_work())
         return remaining_output(head) * seconds <= drain

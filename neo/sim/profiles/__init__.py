@@ -1,3 +1,10 @@
 """Measured ``neo profile`` tables shipped for the simulator's validation and tests:
-``qwen2.5-32b-h100-profile.json``, Qwen2.5-32B shapes in bfloat16 on the H100 80GB HBM3 with 15
-host attention threads and the ISPC kernel (the engine's default stage order)."""
+
+- ``qwen2.5-32b-h100-profile.json``: Qwen2.5-32B shapes in bfloat16 on the H100 80GB HBM3 with 15
+  host attention threads and the ISPC kernel (the engine's default stage order).
+- ``llama-3.1-70b-tp2-h200-profile.json``: Llama-3.1-70B shapes in bfloat16, one rank of two
+  (tensor parallelism over two NVIDIA H200s of one 32-core host, its collectives included), 15
+  host attention threads per rank, the ISPC kernel. The ranks run in lockstep, so the simulator
+  reads it as one GPU with both ranks' KV pools (``--gpu-kv-cache-gib`` and ``--cpu-kv-cache-gib``
+  twice a rank's) and host cores.
+"""
