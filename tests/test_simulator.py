@@ -7,12 +7,15 @@ import random
 from importlib import resources
 
 import pytest
+import torch
 
 from neo import cli
 from neo.bench.workload_request import WorkloadRequest
 from neo.bench.workloads import parse_workload
 from neo.config import EngineConfig
+from neo.kv.kv_cache import CacheLayout
 from neo.models.loader import resolve_model_config
+from neo.models.parallel import rank_config
 from neo.sched import stage_order as stage_orders
 from neo.sched.cost import StageTimes
 from neo.sched.perf_model import PerfModel, PerfTable
@@ -183,20 +186,49 @@ def test_short_requests_on_a_small_gpu_pool_run_no_slower_under_neo():
 
 @pytest.mark.parametrize("workload", ["synthetic:input=1000,output=300", "synthetic:input=370,output=45"])
 def test_host_decodes_that_do_not_pay_do_not_run(workload):
-    """Llama-3.1-70B on two H200s (the measured profile of a rank; both ranks' pools and host
-    cores), 6 GiB of GPU pool per rank: no host population pays beside 38 GPU decodes, so neo
-    admits none and decodes no request the GPU evicts to the host pool; it waits to come back,
-    and neo runs as fast as gpu-only. Admitting a population that pays only at a size the host
-    cannot finish in time, and decoding every host request that waited ``max_host_wait``
-    iterations, made it 0.93x on 1000/300 (0.91x measured on the two GPUs)."""
-    hardware = with_overrides(preset("h100"), {"gpu_memory_gib": 280, "host_cores": 32})
-    scenario = Scenario(model="llama-3.1-70b", hardware=hardware, workload=workload, num_requests=100,
-                        gpu_kv_cache_gib=12.0, cpu_kv_cache_gib=48.0, profile=PROFILE_70B_TP2,
-                        policies=("gpu-only", "neo"))
+    """Llama-3.1-70B on two GPUs (the measured profile of a rank of two H200s), 6 GiB of GPU pool
+    per rank: no host population pays beside 38 GPU decodes, so neo admits none and decodes no
+    request the GPU evicts to the host pool; it waits to come back, and neo runs as fast as
+    gpu-only. Admitting a population that pays only at a size the host cannot finish in time,
+    and decoding every host request that waited ``max_host_wait`` iterations, made it 0.93x on
+    1000/300 (0.91x measured on the two GPUs)."""
+    scenario = Scenario(model="llama-3.1-70b", hardware=with_overrides(preset("h100"), {"host_cores": 32}),
+                        workload=workload, num_requests=100, gpu_kv_cache_gib=6.0, cpu_kv_cache_gib=24.0,
+                        profile=PROFILE_70B_TP2, tensor_parallel_size=2, policies=("gpu-only", "neo"))
     gpu_only, neo = run_scenario(scenario)
     assert neo.finished_requests == gpu_only.finished_requests == 100
     assert neo.host_decode_tokens == 0
     assert neo.output_tokens_per_s >= 0.99 * gpu_only.output_tokens_per_s
+
+
+def test_several_ranks_are_simulated_as_one_rank_with_its_shapes_and_pools():
+    """Two ranks of 70B: each rank's pools hold blocks of its half of the KV heads, so 6 GiB per
+    rank holds as many blocks as 12 GiB of the whole model; 8B's KV heads do not split over 3."""
+    scenario = Scenario(model="llama-3.1-70b", hardware=preset("h100"), workload="synthetic:input=200,output=20",
+                        num_requests=8, gpu_kv_cache_gib=6.0, cpu_kv_cache_gib=24.0, profile=PROFILE_70B_TP2,
+                        tensor_parallel_size=2, policies=("neo",))
+    [result] = run_scenario(scenario)
+    assert result.finished_requests == 8
+    whole = resolve_model_config("llama-3.1-70b")
+    rank = CacheLayout.for_budgets(rank_config(whole, 2), torch.bfloat16, 16, 6 << 30, 24 << 30)
+    assert rank.num_gpu_blocks == CacheLayout.for_budgets(whole, torch.bfloat16, 16, 12 << 30, 48 << 30).num_gpu_blocks
+    assert result.gpu_kv_pool_gib == pytest.approx(rank.num_gpu_blocks * rank.block_bytes / (1 << 30))
+    with pytest.raises(ValueError, match="divisible|divide"):
+        run_scenario(Scenario(model="llama-3.1-8b", hardware=preset("h100"), workload="synthetic:input=8,output=2",
+                              num_requests=1, tensor_parallel_size=3, policies=("gpu-only",)))
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    (dict(profile=None), r"tensor_parallel_size=2 needs a profile measured on a rank of that many"),
+    (dict(tensor_parallel_size=1), r"was measured on a rank of 2, the scenario has tensor_parallel_size=1"),
+    (dict(cpu_kv_cache_gib=150.0), r"2 ranks' host pools of cpu_kv_cache_gib=150.0 exceed host_memory_gib=256"),
+])
+def test_several_ranks_refuse_what_one_rank_cannot_simulate(changes, phrase):
+    settings = dict(model="llama-3.1-70b", hardware=preset("h100"), workload="synthetic:input=8,output=2",
+                    num_requests=1, gpu_kv_cache_gib=6.0, cpu_kv_cache_gib=24.0, profile=PROFILE_70B_TP2,
+                    tensor_parallel_size=2, policies=("neo",))
+    with pytest.raises(ValueError, match=phrase):
+        run_scenario(Scenario(**(settings | changes)))
 
 
 def within_objective(result, ttft_s: float, tpot_s: float) -> float:

@@ -44,6 +44,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
                          help="host-device copy bandwidth in both directions, GB/s")
     parser.add_argument("--profile", default=None,
                         help="a `neo profile` table (JSON) instead of synthesized stage times")
+    parser.add_argument("--tensor-parallel-size", type=cli_values.integer_at_least(1), default=1,
+                        help="GPUs of the machine the model is split over, each with its own pools "
+                             "(needs a --profile measured on a rank of that many)")
     parser.add_argument("--workload", default="synthetic:input=1000,output=300", help=WORKLOAD_FORMS)
     parser.add_argument("--num-requests", type=cli_values.integer_at_least(1), default=200,
                         help="requests of the workload, all run to completion")
@@ -120,14 +123,16 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                     cpu_kv_cache_gib=args.cpu_kv_cache_gib, max_model_len=args.max_model_len,
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    profile=args.profile, duration=args.duration, seed=args.workload_seed)
+                    profile=args.profile, duration=args.duration, seed=args.workload_seed,
+                    tensor_parallel_size=args.tensor_parallel_size)
 
 
 def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
     """The printable comparison of the policies (ratios to gpu-only where it ran)."""
     base = next((r for r in results if r.policy == "gpu-only"), None)
     hardware = scenario.hardware
-    lines = [f"{scenario.model} on {hardware.name} ({hardware.dtype}, {hardware.host_cores} host cores, "
+    gpus = f"{scenario.tensor_parallel_size} GPUs of " if scenario.tensor_parallel_size > 1 else ""
+    lines = [f"{scenario.model} on {gpus}{hardware.name} ({hardware.dtype}, {hardware.host_cores} host cores, "
              f"host read {hardware.host_read_bandwidth(hardware.host_attention_threads):.0f} GB/s), "
              f"{scenario.workload}, {scenario.num_requests} requests, "
              f"{'measured profile ' + scenario.profile if scenario.profile else 'synthesized stage times'}",

@@ -47,10 +47,11 @@ def activation_peak_bytes(model: ModelConfig, config: EngineConfig, element_byte
 
 
 def cache_layout(config: EngineConfig, model: ModelConfig, hardware: Hardware) -> CacheLayout:
-    """Both KV pools: ``gpu_kv_cache_gib`` when set, else what ``gpu_memory_utilization`` of
-    the device leaves after the CUDA context, the weights and the activation peak; the host
-    pool is ``cpu_kv_cache_gib``. Raises ``ValueError`` when the weights do not fit, or a pool
-    does not fit the machine's memory."""
+    """Both KV pools of one rank (``model`` is a rank's shapes): ``gpu_kv_cache_gib`` when set,
+    else what ``gpu_memory_utilization`` of the device leaves after the CUDA context, the
+    weights and the activation peak; the host pool is ``cpu_kv_cache_gib``. Raises
+    ``ValueError`` when the weights do not fit, or the ranks' pools do not fit the machine's
+    memory."""
     dtype = DTYPES[hardware.dtype]
     element_bytes = dtype.itemsize
     total = hardware.gpu_memory_gib * GIB
@@ -64,9 +65,11 @@ def cache_layout(config: EngineConfig, model: ModelConfig, hardware: Hardware) -
         gpu_bytes = device_pool_bytes(config, free, total, activations)
     except ValueError as error:
         raise ValueError(f"{error} (hardware {hardware.name!r})") from None
-    if config.policy != "gpu-only" and config.cpu_kv_cache_gib > hardware.host_memory_gib:
-        raise ValueError(f"cpu_kv_cache_gib={config.cpu_kv_cache_gib} exceeds host_memory_gib="
-                         f"{hardware.host_memory_gib} of hardware {hardware.name!r}")
+    ranks = config.tensor_parallel_size
+    if config.policy != "gpu-only" and config.cpu_kv_cache_gib * ranks > hardware.host_memory_gib:
+        pools = (f"{ranks} ranks' host pools of cpu_kv_cache_gib={config.cpu_kv_cache_gib} exceed" if ranks > 1
+                 else f"cpu_kv_cache_gib={config.cpu_kv_cache_gib} exceeds")
+        raise ValueError(f"{pools} host_memory_gib={hardware.host_memory_gib} of hardware {hardware.name!r}")
     return CacheLayout.for_budgets(model, dtype, config.block_size, gpu_bytes=gpu_bytes,
                                    host_bytes=int(config.cpu_kv_cache_gib * GIB))
 

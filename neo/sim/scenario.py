@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from neo.bench.workloads import parse_workload
 from neo.config import POLICIES, EngineConfig
 from neo.models.loader import resolve_model_config
+from neo.models.parallel import rank_config
 from neo.sched.perf_model import PerfTable
 
 from .hardware import Hardware
@@ -18,7 +19,12 @@ from .stage_times import synthesize_table
 @dataclass
 class Scenario:
     """What to simulate. ``profile``: a ``neo profile`` table (JSON) instead of synthesized
-    stage times; ``duration``: stop each run after that many simulated seconds."""
+    stage times; ``duration``: stop each run after that many simulated seconds.
+    ``tensor_parallel_size``: the model split over that many GPUs of ``hardware`` (each with its
+    own pools of ``gpu_kv_cache_gib`` and ``cpu_kv_cache_gib``, as the engine's settings are per
+    rank). The ranks run the same plans in lockstep, so one rank is simulated, with its shapes
+    (``neo.models.parallel.rank_config``) and a profile measured on a rank of that many (its
+    stage times hold the collectives, which synthesized stage times do not model)."""
 
     model: str
     hardware: Hardware
@@ -31,7 +37,7 @@ class Scenario:
     placement: str | None = None
     return_order: str = EngineConfig.return_order
     gpu_kv_cache_gib: float | None = None
-    cpu_kv_cache_gib: float | None = None  # None: half the host's memory
+    cpu_kv_cache_gib: float | None = None  # None: half the host's memory, shared by the ranks
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -39,12 +45,14 @@ class Scenario:
     profile: str | None = None
     duration: float | None = None
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def engine_config(self, policy: str) -> EngineConfig:
         """The engine settings of ``policy`` in this scenario (validated as the engine's)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        cpu_gib = self.cpu_kv_cache_gib if self.cpu_kv_cache_gib is not None else self.hardware.host_memory_gib / 2
+        cpu_gib = (self.cpu_kv_cache_gib if self.cpu_kv_cache_gib is not None
+                   else self.hardware.host_memory_gib / 2 / self.tensor_parallel_size)
         return EngineConfig(model=self.model, policy=policy, host_pipeline=self.host_pipeline,
                             stage_order=self.stage_order, host_batch_order=self.host_batch_order,
                             placement=self.placement,
@@ -53,13 +61,23 @@ class Scenario:
                             max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, dtype=self.hardware.dtype,
-                            seed=self.seed)
+                            seed=self.seed, tensor_parallel_size=self.tensor_parallel_size)
 
 
 def stage_table(scenario: Scenario, config: EngineConfig, max_model_len: int) -> PerfTable:
-    """The measured profile, or the table synthesized for the scenario's pools and limits."""
+    """The measured profile, or the table synthesized for the scenario's pools and limits. A
+    profile must have been measured on as many ranks as the scenario has."""
     if scenario.profile is not None:
-        return PerfTable.load(scenario.profile)
+        table = PerfTable.load(scenario.profile)
+        measured_on = table.key.get("tensor_parallel_size", 1)
+        if measured_on != scenario.tensor_parallel_size:
+            raise ValueError(f"the profile {scenario.profile} was measured on a rank of {measured_on}, the "
+                             f"scenario has tensor_parallel_size={scenario.tensor_parallel_size}")
+        return table
+    if scenario.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={scenario.tensor_parallel_size} needs a profile measured on a "
+                         f"rank of that many (`neo profile --tensor-parallel-size "
+                         f"{scenario.tensor_parallel_size}`): synthesized stage times leave out the collectives")
     model = resolve_model_config(scenario.model)
     layout = cache_layout(config, model, scenario.hardware)
     pool_tokens = max(layout.num_gpu_blocks, layout.num_host_blocks) * config.block_size
@@ -75,7 +93,7 @@ def run_scenario(scenario: Scenario, show_progress: bool = False, on_iteration=N
         raise ValueError(f"num_requests must be >= 1, got {scenario.num_requests}")
     if scenario.duration is not None and not scenario.duration > 0:
         raise ValueError(f"duration must be > 0 simulated seconds, got {scenario.duration}")
-    model = resolve_model_config(scenario.model)
+    model = rank_config(resolve_model_config(scenario.model), scenario.tensor_parallel_size)
     max_model_len = min(scenario.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     workload = parse_workload(scenario.workload, scenario.num_requests, seed=scenario.seed)
     results = []

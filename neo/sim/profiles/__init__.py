@@ -4,7 +4,5 @@
   host attention threads and the ISPC kernel (the engine's default stage order).
 - ``llama-3.1-70b-tp2-h200-profile.json``: Llama-3.1-70B shapes in bfloat16, one rank of two
   (tensor parallelism over two NVIDIA H200s of one 32-core host, its collectives included), 15
-  host attention threads per rank, the ISPC kernel. The ranks run in lockstep, so the simulator
-  reads it as one GPU with both ranks' KV pools (``--gpu-kv-cache-gib`` and ``--cpu-kv-cache-gib``
-  twice a rank's) and host cores.
+  host attention threads per rank, the ISPC kernel: ``neo simulate --tensor-parallel-size 2``.
 """
