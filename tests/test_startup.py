@@ -62,7 +62,6 @@ def test_engine_reports_every_phase_of_its_start(policy, phases, caplog):
     assert all(value >= 0 for value in seconds.values())
     assert seconds[TOTAL] == pytest.approx(sum(value for name, value in seconds.items() if name != TOTAL))
     assert seconds[TOTAL] <= wall
-    assert seconds[OTHER] < 0.5 * seconds[TOTAL] + 0.05  # the phases hold nearly all of it
     lines = [record.getMessage() for record in caplog.records if "engine ready in" in record.getMessage()]
     assert len(lines) == 1 and all(f"{phase} " in lines[0] for phase in phases | {OTHER})
 
