@@ -163,15 +163,20 @@ def trace_statistics(trace: list[dict]) -> dict:
 def host_side(trace: list[dict], kv_bytes_per_token: int) -> dict | None:
     """The host batches' decode rate and K/V read rate (per second of host-batch time, one batch
     in flight at a time), and the K/V bytes a host decode read on average; None without host
-    batches."""
+    batches. The batches' time splits into the host attending (the host functions' time: KV
+    store and attention kernels) and the rest, where the host waits for the batch's GPU stages
+    and hand-off copies: ``host_attending_share``, and the K/V read rate while attending."""
     batches = [r for r in trace if r["host_batch"]]
     seconds = sum(r["measured_seconds"] for r in batches)
     tokens = sum(r["host_decodes"] for r in batches)
     if not tokens or seconds <= 0:
         return None
     kv_bytes = sum(r["host_context_tokens"] for r in batches) * kv_bytes_per_token
+    attending = sum(r["host_busy_seconds"] for r in batches)
     return {"host_decode_tokens_per_s": tokens / seconds, "kv_bytes_per_host_token": kv_bytes / tokens,
-            "host_kv_read_gbps": kv_bytes / seconds / 1e9, "host_batch_seconds": seconds}
+            "host_kv_read_gbps": kv_bytes / seconds / 1e9, "host_batch_seconds": seconds,
+            "host_attending_share": attending / seconds,
+            "host_kv_read_gbps_attending": kv_bytes / attending / 1e9 if attending > 0 else None}
 
 
 def policy_label(config: EngineConfig) -> str:
@@ -364,7 +369,9 @@ def main() -> None:
                      f"({side['host_read_gbps']:.1f} GB/s / {side['kv_bytes_per_host_token'] / 1e6:.1f} MB)"
                      if "bound_tokens_per_s" in side else "  (no probe)")
             print(f"{run['workload']:<34} {run['policy']:<25} {run['threads'] or '-':>4} "
-                  f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s")
+                  f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s, "
+                  f"attending {100 * side['host_attending_share']:.0f}% of the time"
+                  + (f" at {side['host_kv_read_gbps_attending']:.1f} GB/s" if side["host_kv_read_gbps_attending"] else ""))
     print(f"written {path}")
 
 

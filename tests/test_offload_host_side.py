@@ -50,6 +50,10 @@ def test_host_batches_decode_rate_and_kv_bytes_per_host_decode(offload, tmp_path
     assert side["kv_bytes_per_host_token"] == pytest.approx(
         sum(r["host_context_tokens"] for r in batches) * bytes_per_token / tokens)
     assert side["host_kv_read_gbps"] == pytest.approx(side["kv_bytes_per_host_token"] * tokens / seconds / 1e9)
+    attending = sum(r["host_busy_seconds"] for r in batches)
+    assert 0 < attending <= seconds  # the host functions ran inside their batches' time
+    assert side["host_attending_share"] == pytest.approx(attending / seconds)
+    assert side["host_kv_read_gbps_attending"] == pytest.approx(side["host_kv_read_gbps"] * seconds / attending)
 
 
 def test_no_host_batches_no_host_side(offload, tmp_path):
