@@ -15,6 +15,12 @@ leaves them) it reports where the time went, in four views:
   first operation to its last, and the busy time by kind. A launch-to-start time far above what
   was queued before it means the stream waited: behind a host function of another stream in a
   shared hardware work queue (``neo.engine.hardware_queues``), for instance.
+- **Host hand-offs**: in the replays of a host batch's layers (three copies to the host per
+  layer, the query and the new key and value, and one back, the attention output), each layer's
+  time splits into the host stage (from the last copy to the host to the copy back: the host
+  function's wait and run) and the batch's GPU stage (from the copy back to the next layer's
+  first copy to the host: its ``post`` and the next ``pre``), with the batch's own GPU busy time
+  inside the GPU stages: a GPU stage much longer than its busy time waited for the GPU.
 - **CUDA calls on the host**: per thread, the runtime and driver calls that held it longest
   (a graph launch that waits for the driver's queue of host functions, a synchronization).
 - **Iterations**: the ``neo.iteration`` ranges (each iteration's launch): their count and mean
@@ -139,6 +145,47 @@ def graph_replays(launches: dict, replays: dict) -> dict:
     return summary
 
 
+def is_copy(event: dict, direction: str) -> bool:
+    return event["cat"] == "gpu_memcpy" and direction in event["name"]
+
+
+def host_hand_offs(replays: dict) -> dict | None:
+    """Of the graph replays whose copies are three to the host per copy back (a host batch's
+    layers, ``replays`` as ``graph_work`` gives them): the layers' host and GPU stages (see the
+    module docstring), as medians and as shares of the replays' summed span; None without such
+    replays."""
+    host_ms, gpu_ms, gpu_busy_ms, spans = [], [], [], []
+    for operations in replays.values():
+        to_host = sum(is_copy(event, "DtoH") for event in operations)
+        back = sum(is_copy(event, "HtoD") for event in operations)
+        if not back or to_host != 3 * back:
+            continue
+        ordered = sorted(operations, key=lambda event: event["ts"])
+        spans.append((max(e["ts"] + e["dur"] for e in ordered) - ordered[0]["ts"]) / 1e3)
+        last_to_host_end = last_back_end = None
+        kernels_since_back = 0.0
+        for event in ordered:
+            end = event["ts"] + event["dur"]
+            if is_copy(event, "DtoH"):
+                if last_back_end is not None:  # the GPU stage between two hand-offs ends here
+                    gpu_ms.append((event["ts"] - last_back_end) / 1e3)
+                    gpu_busy_ms.append(kernels_since_back)
+                    last_back_end = None
+                last_to_host_end = max(end, last_to_host_end or end)
+            elif is_copy(event, "HtoD") and last_to_host_end is not None:
+                host_ms.append((event["ts"] - last_to_host_end) / 1e3)
+                last_to_host_end, last_back_end, kernels_since_back = None, end, 0.0
+            elif event["cat"] == "kernel" and last_back_end is not None:
+                kernels_since_back += event["dur"] / 1e3
+    if not host_ms:
+        return None
+    return {"replays": len(spans), "layers": len(host_ms),
+            "median_host_stage_ms": statistics.median(host_ms),
+            "median_gpu_stage_ms": statistics.median(gpu_ms) if gpu_ms else None,
+            "median_gpu_stage_busy_ms": statistics.median(gpu_busy_ms) if gpu_busy_ms else None,
+            "host_stage_share": sum(host_ms) / sum(spans), "gpu_stage_share": sum(gpu_ms) / sum(spans)}
+
+
 def host_calls(events: list[dict]) -> dict:
     """Per host thread: total milliseconds in CUDA runtime and driver calls, and the calls that
     took longest in all (name: count, total and longest milliseconds)."""
@@ -175,7 +222,8 @@ def summarize(path: str) -> dict:
     events = load_events(path)
     launches, replays = graph_work(events)
     return {"gpu_streams": gpu_streams(events, replays), "graph_replays": graph_replays(launches, replays),
-            "host_calls": host_calls(events), "iterations": iterations(events)}
+            "host_hand_offs": host_hand_offs(replays), "host_calls": host_calls(events),
+            "iterations": iterations(events)}
 
 
 def format_summary(path: str, summary: dict) -> str:
@@ -194,6 +242,13 @@ def format_summary(path: str, summary: dict) -> str:
                      f"{ms(figures['mean_start_delay_ms'])} ms (longest {ms(figures['max_start_delay_ms'])}), "
                      f"span mean {ms(figures['mean_span_ms'])} ms, "
                      f"busy mean {ms(figures['mean_busy_ms'])} ms ({kinds})")
+    hand_offs = summary["host_hand_offs"]
+    if hand_offs:
+        lines.append(f"  host hand-offs: {hand_offs['layers']} layers in {hand_offs['replays']} replays; per layer, "
+                     f"median host stage {ms(hand_offs['median_host_stage_ms'])} ms, GPU stage "
+                     f"{ms(hand_offs['median_gpu_stage_ms'])} ms (busy {ms(hand_offs['median_gpu_stage_busy_ms'])}); "
+                     f"of the replays' span {100 * hand_offs['host_stage_share']:.0f}% host stages, "
+                     f"{100 * hand_offs['gpu_stage_share']:.0f}% GPU stages")
     for thread, figures in summary["host_calls"].items():
         calls = "; ".join(f"{name} x{call['count']} {call['total_ms']:.1f} ms (longest {call['max_ms']:.2f})"
                           for name, call in figures["longest_calls"].items())

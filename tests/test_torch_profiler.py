@@ -182,3 +182,41 @@ def test_the_timeline_summary_groups_graph_replays_by_their_launch(tmp_path):
     assert replays["mean_busy_ms_by_kind"] == {"gemm": pytest.approx(2.0), "nccl": pytest.approx(2.0)}
     assert "graphs of 2 GPU operations: 2 replays, launch to start mean 15.50 ms (longest 30.00)" in \
         summary_module.format_summary(str(path), summary)
+
+
+def test_the_timeline_summary_splits_a_host_batchs_layers_into_host_and_gpu_stages(tmp_path):
+    """A host batch's replay copies the query, key and value to the host and the output back per
+    layer: the time from the last copy to the host to the copy back is the layer's host stage,
+    from the copy back to the next layer's first copy its GPU stage (with the batch's kernels'
+    busy time in it). A replay whose copies do not come three to one (a swap) is left out."""
+    def operation(name, start, duration, launch, category="kernel"):
+        return dict(ph="X", cat=category, name=name, pid=0, tid=5, ts=start, dur=duration,
+                    args=dict(device=0, stream=5, correlation=launch))
+
+    def to_host(start):
+        return operation("Memcpy DtoH (Device -> Pinned)", start, 10, 1, category="gpu_memcpy")
+
+    def back(start):
+        return operation("Memcpy HtoD (Pinned -> Device)", start, 10, 1, category="gpu_memcpy")
+
+    layer_one = [operation("rms_norm", 0, 100, 1), to_host(100), to_host(110), to_host(120), back(1130)]
+    # GPU stage of 860 us (1140 -> 2000), of which the batch's kernels ran 300 us
+    layer_two = [operation("nvjet_gemm", 1200, 200, 1), operation("rms_norm", 1500, 100, 1),
+                 to_host(2000), to_host(2010), to_host(2020), back(2530)]
+    swap = [operation("Memcpy DtoH (Device -> Pinned)", 5000, 100, 2, category="gpu_memcpy"),
+            operation("Memcpy HtoD (Pinned -> Device)", 5200, 100, 2, category="gpu_memcpy")]
+    events = layer_one + layer_two + swap + [
+        dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", pid=1, tid=1, ts=0, dur=10, args=dict(correlation=1)),
+        dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", pid=1, tid=1, ts=4900, dur=10, args=dict(correlation=2))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary_module = benchmark_module("timeline_summary")
+    summary = summary_module.summarize(str(path))
+    hand_offs = summary["host_hand_offs"]
+    assert (hand_offs["replays"], hand_offs["layers"]) == (1, 2)
+    assert hand_offs["median_host_stage_ms"] == pytest.approx(0.75)  # 1130 - 130 and 2530 - 2030 us
+    assert hand_offs["median_gpu_stage_ms"] == pytest.approx(0.86)
+    assert hand_offs["median_gpu_stage_busy_ms"] == pytest.approx(0.3)
+    assert hand_offs["host_stage_share"] == pytest.approx(1.5 / 2.54)
+    assert hand_offs["gpu_stage_share"] == pytest.approx(0.86 / 2.54)
+    assert "host hand-offs: 2 layers in 1 replays" in summary_module.format_summary(str(path), summary)
