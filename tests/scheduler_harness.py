@@ -52,7 +52,8 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
     coverage = GraphCoverage()
     if graphs:
         pipeline = max_num_seqs if host_pipeline != "async" and policy != "gpu-only" else 0
-        coverage = GraphCoverage(max_num_seqs, pipeline, math.ceil(cuda_graph_max_context / block_size))
+        host_batch = max_num_seqs if host_pipeline != "lockstep" and policy != "gpu-only" else 0
+        coverage = GraphCoverage(max_num_seqs, pipeline, math.ceil(cuda_graph_max_context / block_size), host_batch)
     estimates = Estimates(perf_model or PerfModel.zero(), HostTimeCalibration(prior=host_prior), coverage, manager,
                           two_sub_batch_order(stage_order))
     return Scheduler(config, manager, make_placement(policy, host_pipeline, placement), estimates)

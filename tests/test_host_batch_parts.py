@@ -154,6 +154,10 @@ def generate_with_parts(layers_per_part: int, monkeypatch, graphs: bool = True) 
         runner = llm.engine.runner.host_batches
         assert runner.asynchronous, "host work is not ordered on streams (no ISPC kernels)"
         assert (runner.graphs is not None) == graphs
+        # The scheduler prices a batch's GPU stages by whether they replay these graphs.
+        coverage = llm.engine.runner.graph_coverage
+        assert coverage.host_batch_max_requests == (runner.graphs.sizes[-1] if graphs else 0)
+        assert coverage.host_batch_graph(8) == graphs and not coverage.host_batch_graph(9)
         seen = {"replayed": 0, "launch_parts": []}
         launched_before = runner.part_launches  # by any warm-up while the engine was built
         launch, collect = runner.launch, runner.collect

@@ -22,6 +22,7 @@ from neo.sched.perf_model import PerfModel, PerfTable
 from neo.sched.placement import PLACEMENTS, TwoSubBatches
 from neo.sched.stage_order import SEQUENTIAL, StageOrder, attn_gpu, attn_host, post, pre
 from neo.sim.hardware import PRESETS, preset, with_overrides
+from neo.sim.parts import graph_coverage
 from neo.sim.plots import gain_grid
 from neo.sim.scenario import Scenario, run_scenario, stage_table
 from neo.sim.simulator import Simulation
@@ -113,6 +114,23 @@ def test_synthesized_times_scale_as_the_roofline_says():
 def test_dtype_follows_the_hardware():
     assert preset("g4dn.4xlarge").dtype == "float16"
     assert preset("h100").dtype == preset("g5.2xlarge").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("policy", ["gpu-only", "neo", "full-offload"])
+@pytest.mark.parametrize("host_pipeline", ["async", "lockstep", "auto"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_simulated_engine_replays_the_graphs_a_cuda_engine_captures(policy, host_pipeline, graphs):
+    """As ``neo.engine.build`` captures them: decode graphs always, pipeline graphs for the
+    lockstep and auto host pipelines, host-batch graphs for the async and auto ones, of the
+    offloading policies; none without CUDA graphs."""
+    config = EngineConfig(policy=policy, host_pipeline=host_pipeline, max_num_seqs=48, use_cuda_graphs=graphs,
+                          cuda_graph_max_context=4096, block_size=16)
+    coverage = graph_coverage(config, max_model_len=8192)
+    offloading = graphs and policy != "gpu-only"
+    assert coverage.decode_max_requests == (48 if graphs else 0)
+    assert coverage.max_blocks == (256 if graphs else 0)
+    assert coverage.pipeline_max_requests == (48 if offloading and host_pipeline != "async" else 0)
+    assert coverage.host_batch_max_requests == (48 if offloading and host_pipeline != "lockstep" else 0)
 
 
 # -- simulated time ---------------------------------------------------------------------------

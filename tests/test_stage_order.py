@@ -197,6 +197,32 @@ def test_a_host_batch_is_estimated_in_its_order_over_its_sub_batches(count):
         assert estimates.host_batch_gpu_time(count) == pytest.approx(sum(time.linear for time in times))
 
 
+@pytest.mark.parametrize("host_batch_order", ["host-batch", "host-batch-pair"])
+def test_a_host_batchs_gpu_stages_cost_a_decode_graph_of_its_rows_where_it_replays_graphs(host_batch_order):
+    """A host batch replays graphs of its own for sub-batches within the host-batch graphs'
+    rows: its GPU stages then cost what the profile's decode graph of as many short requests
+    does (launched one by one, ``linear`` can be several times that); beyond those rows, or
+    beyond the table's graph points, each sub-batch costs its linear time."""
+    model = synthetic_model(1e-4, 1e-7, 1e-6)
+    model.table.graph_decode_requests = [1, 4, 16, 64]
+    model.table.graph_decode_seconds = [2e-4, 3e-4, 5e-4, 9e-4]
+    model.table.graph_decode_context = 16
+    order = STAGE_ORDERS[host_batch_order]
+    for count in (1, 9, 40, 100):
+        _, parts = host_batch_sub_batches(order, count)
+        rows = [part.stop - part.start for part in parts]
+        for covered in (0, 16, 64):
+            estimates = Estimates(model, HostTimeCalibration(), GraphCoverage(host_batch_max_requests=covered),
+                                  BlockManager(8, 64, 16), ASYMMETRIC, order)
+            expected = sum(model.graph_decode(size, 0) if size <= covered else model.linear(size) for size in rows)
+            assert estimates.host_batch_gpu_time(count) == pytest.approx(expected)
+            if covered == 64 and count <= 64:  # every sub-batch replays: a decode graph's time, below linear's
+                assert estimates.host_batch_gpu_time(count) < sum(model.linear(size) for size in rows)
+    estimates = Estimates(model, HostTimeCalibration(), GraphCoverage(host_batch_max_requests=512),
+                          BlockManager(8, 64, 16), ASYMMETRIC, STAGE_ORDERS["host-batch"])
+    assert estimates.host_batch_gpu_time(100) == pytest.approx(model.linear(100))  # past the table's points
+
+
 def test_the_profile_key_names_a_host_batch_order_other_than_the_default():
     """The profiled host-batch overhead is measured in the engine's order: a table of one order
     does not serve the other, and tables of the default keep their keys."""

@@ -100,7 +100,9 @@ class ModelRunner:
         self.graph_coverage = GraphCoverage(
             decode_max_requests=decode_graphs.sizes[-1] if decode_graphs is not None else 0,
             pipeline_max_requests=pipeline_graphs.sizes[-1] if pipeline_graphs is not None else 0,
-            max_blocks=decode_graphs.max_blocks if decode_graphs is not None else 0)
+            max_blocks=decode_graphs.max_blocks if decode_graphs is not None else 0,
+            host_batch_max_requests=(host_batches.graphs.sizes[-1]
+                                     if host_batches is not None and host_batches.graphs is not None else 0))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, on_launched: Callable[[], None] | None = None) -> IterationOutput:

@@ -75,9 +75,19 @@ class Estimates:
 
     def host_batch_gpu_time(self, num_requests: int) -> float:
         """Seconds of the GPU stages of a host batch of that many decodes: each of its
-        sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch)."""
+        sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch),
+        then the logits and sampling. A sub-batch within the pipeline graphs' rows replays them
+        from a graph, so its GPU work costs what a decode graph of as many short requests does
+        (the same GEMMs, logits and sampling; its attention is on the host); beyond them, or
+        where the table has no such point, its stages are launched one by one (``linear``)."""
         _, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
-        return sum(self.perf_model.linear(part.stop - part.start) for part in parts)
+        model = self.perf_model
+
+        def part_time(rows: int) -> float:
+            graph = model.graph_decode(rows, 0) if self.coverage.host_batch_graph(rows) else None
+            return model.linear(rows) if graph is None else graph
+
+        return sum(part_time(part.stop - part.start) for part in parts)
 
     def host_batch_time_of(self, num_requests: int, context_tokens: int) -> float:
         """Seconds of a host batch of that many decodes over that many context tokens (each

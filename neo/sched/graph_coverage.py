@@ -17,7 +17,10 @@ class GraphCoverage:
 
     - a decode graph covers one sub-batch of at most ``decode_max_requests`` GPU decodes;
     - a pipeline graph covers one or two sub-batches of GPU and host decodes, at most
-      ``pipeline_max_requests`` of each kind per sub-batch, with at least one host decode.
+      ``pipeline_max_requests`` of each kind per sub-batch, with at least one host decode;
+    - a host batch of the async host pipeline replays graphs of its own (its sub-batches'
+      layers, ``neo.runner.host_batches``) for sub-batches of at most
+      ``host_batch_max_requests`` host decodes.
 
     A maximum of 0 means no such graphs. A plan's swaps do not change what replays: the runner
     queues a replayed plan's block copies ahead of the graph on the compute stream, so they do
@@ -27,6 +30,12 @@ class GraphCoverage:
     decode_max_requests: int = 0
     pipeline_max_requests: int = 0
     max_blocks: int = 0
+    host_batch_max_requests: int = 0
+
+    def host_batch_graph(self, host_decodes: int) -> bool:
+        """Whether a host batch's sub-batch of that many host decodes replays a graph (where
+        its requests' contexts are within the graphs', which counts alone do not tell)."""
+        return 0 < host_decodes <= self.host_batch_max_requests
 
     def decode_graph(self, gpu_decodes: int, widest_blocks: int) -> bool:
         """Whether a decode graph covers that many GPU decodes with tables that wide."""

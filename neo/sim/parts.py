@@ -86,13 +86,16 @@ class SchedulingParts:
 
 def graph_coverage(config: EngineConfig, max_model_len: int) -> GraphCoverage:
     """The graphs a CUDA engine of these settings captures (``neo.engine.build``): decode
-    graphs up to ``max_num_seqs`` requests, and pipeline graphs for the lockstep and auto host
-    pipelines of the offloading policies, both for ``cuda_graph_max_context`` tokens."""
+    graphs up to ``max_num_seqs`` requests, pipeline graphs for the lockstep and auto host
+    pipelines of the offloading policies and host-batch graphs for their async and auto ones,
+    all for ``cuda_graph_max_context`` tokens."""
     if not config.use_cuda_graphs:
         return GraphCoverage()
     context = min(max_model_len, config.cuda_graph_max_context)
-    pipeline = config.max_num_seqs if config.policy != "gpu-only" and config.host_pipeline != "async" else 0
-    return GraphCoverage(config.max_num_seqs, pipeline, graph_block_width(context, config.block_size))
+    offloading = config.policy != "gpu-only"
+    pipeline = config.max_num_seqs if offloading and config.host_pipeline != "async" else 0
+    host_batch = config.max_num_seqs if offloading and config.host_pipeline != "lockstep" else 0
+    return GraphCoverage(config.max_num_seqs, pipeline, graph_block_width(context, config.block_size), host_batch)
 
 
 def build_parts(config: EngineConfig, model: ModelConfig, hardware: Hardware, table: PerfTable,

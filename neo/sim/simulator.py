@@ -20,8 +20,9 @@ collected, as in the engine, after the first step whose GPU work ends past that 
 GPU work waits for it, or for the next arrival). Its ``pre``/``post`` stages share the GPU with
 the iterations that run beside it: an iteration alone ``d`` seconds long progresses at
 ``1 / (1 + G / T)`` of its speed while a batch lasting ``T`` is in flight, ``G`` the batch's
-GPU stages' time (``Estimates.host_batch_gpu_time``: ``linear(n)`` for ``n`` decodes in one
-sub-batch, its halves' sum in ``host-batch-pair``). The engine queues a batch's layers in parts
+GPU stages' time (``Estimates.host_batch_gpu_time``: for ``n`` decodes in one sub-batch a
+decode graph's time of ``n`` rows where the batch's graphs replay, else ``linear(n)``; its
+halves' sum in ``host-batch-pair``). The engine queues a batch's layers in parts
 (``neo.runner.host_batches``), at most ``PARTS_PENDING`` parts of ``DEFAULT_LAYERS_PER_PART``
 layers pending, one host function per layer; where the CUDA driver queues fewer host functions
 than that (``Hardware.queued_host_functions``), launching the batch holds the engine's thread,

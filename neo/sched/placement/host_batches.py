@@ -10,8 +10,9 @@ after the iteration that copies its blocks out.
 
 Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
 the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once per
-sub-batch of its order, ``linear(n)`` seconds for ``n`` host decodes in one (the sum over the
-halves in ``host-batch-pair``: ``Estimates.host_batch_gpu_time``), and beside it the iterations
+sub-batch of its order (the sum over the halves in ``host-batch-pair``:
+``Estimates.host_batch_gpu_time``; a sub-batch the batch's graphs replay costs what a decode
+graph of as many rows does, one launched stage by stage ``linear(n)``), and beside it the iterations
 may run slower still (its kernels share the SMs, its host threads share the host with the
 launching thread). That slowdown is measured (``HostBatchInterference``: iterations beside a
 batch against their estimate alone): a batch that lasts ``T`` seconds with the iterations ``s``
