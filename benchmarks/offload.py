@@ -33,7 +33,8 @@ with no GPU work waited for them / host busy). For host batches it also reports 
 against its bound: host decode tokens per second of host-batch time, and the bound, the host's
 read bandwidth (a ``torch.sum`` probe over a rotated buffer of ``--read-probe-gib`` GiB on the
 engine's host attention threads, ``read_probe.py``) over the K/V bytes a host decode read on
-average (its context's K and V over every layer).
+average (its context's K and V over every layer); and how the host batches' time splits: the
+share in which the host functions ran (the host attending) and the K/V read rate while they ran.
 
     python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
 """
