@@ -10,6 +10,8 @@ with a GPU pool large enough for all and one so small that requests are preempte
 the host; every KV block must be free again afterwards; greedy tokens must equal transformers'.
 """
 
+import time
+
 import pytest
 
 from conftest import cuda_skip_reason
@@ -98,6 +100,31 @@ def test_each_step_returns_the_previous_iterations_tokens():
             assert (at_launch[0] == [UNRESOLVED_TOKEN]) == async_scheduling
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_iterations_measured_seconds_add_up_to_the_time_that_passed(device, async_scheduling, tmp_path):
+    """Under async scheduling an iteration is launched while the one before it runs; its
+    measured time counts from the read of that one's tokens, not from its own launch, so the
+    trace's iterations add up to at most the run's time (counted from each launch they would
+    come to about twice it), and each is positive."""
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device=device, dtype="float32", policy="gpu-only",
+                                    gpu_kv_cache_gib=gib_for_blocks(1024), perf_model="zero", max_num_seqs=8,
+                                    async_scheduling=async_scheduling, trace_path=str(tmp_path / "trace.json")))
+    try:
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                               request_id=str(index))
+        began = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed = time.perf_counter() - began
+        measured = [record.measured_seconds for record in engine.trace.records]
+    finally:
+        engine.close()
+    assert len(measured) >= 24 and all(seconds > 0 for seconds in measured)
+    assert sum(measured) <= elapsed
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -100,6 +100,7 @@ class LLMEngine:
         self.async_scheduling = config.schedules_ahead
         self._step_function = self._step_ahead if self.async_scheduling else self._step
         self._in_flight: _IterationInFlight | None = None  # async scheduling: tokens not read yet
+        self._last_read = 0.0  # when the tokens of the last iteration were read (perf_counter)
         self.metrics = EngineMetrics()
         self.trace = IterationTrace() if config.trace_path else None
         self.torch_profiler = (TorchProfiler(config.torch_profiler_dir, 0, self.device.type)
@@ -407,7 +408,7 @@ class LLMEngine:
             if not isinstance(error, Exception):
                 raise
             return []
-        output.seconds = time.perf_counter() - flight.start
+        output.seconds = self._step_seconds(flight.start)
         self._count(flight.plan, output)
         if self.trace is not None:
             self._record(flight.plan, output, flight.schedule_seconds, 0.0, flight.segments_freed)
@@ -440,11 +441,23 @@ class LLMEngine:
             if not isinstance(error, Exception):
                 raise
             return None
-        output.seconds = time.perf_counter() - start  # the step's launch of a host batch included
+        output.seconds = self._step_seconds(start)  # the step's launch of a host batch included
         self._count(plan, output)
         if self.trace is not None:
             self._record(plan, output, schedule_seconds, launch_seconds, segments_freed)
         return output
+
+    def _step_seconds(self, start: float) -> float:
+        """An iteration's seconds on the engine's timeline, its tokens read now: from ``start``
+        (its step's, after planning) or, when later, from the read of the tokens of the
+        iteration before. Under async scheduling an iteration is launched while the one before
+        it still runs, so the time from its launch would count the end of that one twice;
+        this way the iterations' seconds add up to the time that passed (the interference and
+        arrival-rate estimates and the trace's prediction errors divide by them)."""
+        now = time.perf_counter()
+        seconds = now - max(start, self._last_read)
+        self._last_read = now
+        return seconds
 
     def _as_rank_failure(self, error: BaseException) -> BaseException:
         """Under tensor parallelism, an ``Exception`` from the driver's work is the ranks' failure

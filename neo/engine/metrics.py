@@ -43,7 +43,8 @@ class IterationRecord:
     predicted_host_seconds: float | None  # calibrated estimate of the host attention
     profiled_host_seconds: float | None  # the profile's estimate before calibration
     measured_seconds: float  # launching the step's host batch (if any) and executing the plan,
-    # until its tokens were on the host; of that:
+    # until its tokens were on the host, counted from the read of the iteration before's tokens
+    # where that came later (async scheduling: ``LLMEngine._step_seconds``); of that:
     launch_seconds: float  # launching the step's host batch (async host pipeline)
     queue_seconds: float  # building the plan's inputs and queuing its device work
     host_busy_seconds: float
