@@ -76,8 +76,9 @@ class Estimates:
     def host_batch_gpu_time(self, num_requests: int) -> float:
         """Seconds of the GPU stages of a host batch of that many decodes: each of its
         sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch),
-        then the logits and sampling. A sub-batch within the pipeline graphs' rows replays them
-        from a graph, so its GPU work costs what a decode graph of as many short requests does
+        then the logits and sampling. A sub-batch within the rows of the batch's own graphs
+        (``GraphCoverage.host_batch_graph``) replays them, so its GPU work costs what a decode
+        graph of as many short requests does
         (the same GEMMs, logits and sampling; its attention is on the host); beyond them, or
         where the table has no such point, its stages are launched one by one (``linear``)."""
         _, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
