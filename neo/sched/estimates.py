@@ -78,9 +78,9 @@ class Estimates:
         sub-batches' ``pre`` and ``post`` (decode GEMMs read every weight once per sub-batch),
         then the logits and sampling. A sub-batch within the rows of the batch's own graphs
         (``GraphCoverage.host_batch_graph``) replays them, so its GPU work costs what a decode
-        graph of as many short requests does
-        (the same GEMMs, logits and sampling; its attention is on the host); beyond them, or
-        where the table has no such point, its stages are launched one by one (``linear``)."""
+        graph of as many short requests does (the same GEMMs, logits and sampling; its attention
+        is on the host); beyond them, or where the table has no such point, its stages are
+        launched one by one (``linear``)."""
         _, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
         model = self.perf_model
 
