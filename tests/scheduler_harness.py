@@ -6,7 +6,6 @@ token (5) per planned request, handed back through ``Scheduler.update`` with the
 times the test chooses.
 """
 
-import math
 import random
 
 from neo.config import EngineConfig
@@ -22,6 +21,7 @@ from neo.sched.runner_output import HostBatchOutput, IterationOutput
 from neo.sched.scheduler import Scheduler
 from neo.sched.scheduler_output import SchedulerOutput
 from neo.sched.stage_order import two_sub_batch_order
+from neo.sim.parts import graph_coverage
 
 TOKEN = 5
 
@@ -49,11 +49,8 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
                           max_num_batched_tokens=max_num_batched_tokens, host_pipeline=host_pipeline,
                           cuda_graph_max_context=cuda_graph_max_context, return_order=return_order)
     manager = BlockManager(gpu_blocks, host_blocks, block_size)
-    coverage = GraphCoverage()
-    if graphs:
-        pipeline = max_num_seqs if host_pipeline != "async" and policy != "gpu-only" else 0
-        host_batch = max_num_seqs if host_pipeline != "lockstep" and policy != "gpu-only" else 0
-        coverage = GraphCoverage(max_num_seqs, pipeline, math.ceil(cuda_graph_max_context / block_size), host_batch)
+    # The graphs a CUDA engine of these limits captures, as the simulator takes them.
+    coverage = graph_coverage(config, cuda_graph_max_context) if graphs else GraphCoverage()
     estimates = Estimates(perf_model or PerfModel.zero(), HostTimeCalibration(prior=host_prior), coverage, manager,
                           two_sub_batch_order(stage_order))
     return Scheduler(config, manager, make_placement(policy, host_pipeline, placement), estimates)
