@@ -296,6 +296,31 @@ def test_every_request_finishes(host_pipeline, tmp_path):
         assert neo.host_decode_share > 0  # the GPU pool is small: some requests decode on the host
 
 
+def test_a_traces_arrival_times_are_kept_only_when_asked(tmp_path, capsys):
+    """By default a trace's requests all arrive at the start, as `neo bench` submits them: the
+    prediction equals that of the same trace without times. With arrivals="trace" the run
+    spans the arrivals (a request every 20 s here)."""
+    lines = [{"prompt_len": 200 + 50 * i, "output_len": 20 + 5 * i} for i in range(6)]
+    timed, untimed = tmp_path / "timed.jsonl", tmp_path / "untimed.jsonl"
+    timed.write_text("".join(json.dumps(line | {"arrival_s": 20.0 * i}) + "\n" for i, line in enumerate(lines)))
+    untimed.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    at_once = run_scenario(small_scenario(workload=f"file:{timed}", num_requests=6))
+    without_times = run_scenario(small_scenario(workload=f"file:{untimed}", num_requests=6))
+    at_arrivals = run_scenario(small_scenario(workload=f"file:{timed}", num_requests=6, arrivals="trace"))
+    for ran, reference, spread in zip(at_once, without_times, at_arrivals):
+        assert ran.summary() == reference.summary()
+        assert ran.elapsed_s < 20.0 <= 5 * 20.0 < spread.elapsed_s
+    with pytest.raises(ValueError, match="unknown arrivals 'poisson'; choose from at-once, trace"):
+        run_scenario(small_scenario(arrivals="poisson"))
+    common = ["simulate", "--model", "llama-3.1-8b", "--hardware", "g5.2xlarge", "--gpu-kv-cache-gib", "0.25",
+              "--workload", f"file:{timed}", "--num-requests", "6", "--policies", "gpu-only"]
+    assert cli.main(common) == 0
+    assert "6 requests submitted at once" in capsys.readouterr().out
+    assert cli.main(common + ["--arrivals", "trace", "--json"]) == 0
+    [result] = json.loads(capsys.readouterr().out)["results"]
+    assert result["elapsed_s"] > 5 * 20.0
+
+
 @pytest.mark.parametrize("override", [{"host_cores": 1}, {"host_read_gbps": 0}])
 def test_no_host_attention_makes_neo_plan_as_gpu_only(override):
     hardware = with_overrides(SMALL["hardware"], override)

@@ -20,7 +20,7 @@ from neo.config import HOST_PIPELINES, POLICIES, RETURN_ORDERS, EngineConfig
 from neo.sched.stage_order import HOST_BATCH_ORDERS, TWO_SUB_BATCH_ORDERS
 
 from .hardware import FIELD_HELP, OVERRIDABLE, PRESETS, preset, with_overrides
-from .scenario import Scenario, run_scenario
+from .scenario import ARRIVALS, Scenario, run_scenario
 from .simulator import SimulationResult
 
 G5_SERIES = "g5.2xlarge,g5.4xlarge,g5.8xlarge,g5.16xlarge"
@@ -51,6 +51,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--num-requests", type=cli_values.integer_at_least(1), default=200,
                         help="requests of the workload, all run to completion")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of synthetic lengths")
+    parser.add_argument("--arrivals", default="at-once", choices=ARRIVALS,
+                        help="at-once: every request at the start, as `neo bench` submits them; trace: at "
+                             "the workload's arrival times (azure-code, trace files with times)")
     parser.add_argument("--policies", default="gpu-only,neo,full-offload",
                         help=f"comma-separated: {', '.join(POLICIES)}")
     parser.add_argument("--host-pipeline", default="async", choices=HOST_PIPELINES,
@@ -124,7 +127,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     profile=args.profile, duration=args.duration, seed=args.workload_seed,
-                    tensor_parallel_size=args.tensor_parallel_size)
+                    tensor_parallel_size=args.tensor_parallel_size, arrivals=args.arrivals)
 
 
 def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
@@ -134,7 +137,7 @@ def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
     gpus = f"{scenario.tensor_parallel_size} GPUs of " if scenario.tensor_parallel_size > 1 else ""
     lines = [f"{scenario.model} on {gpus}{hardware.name} ({hardware.dtype}, {hardware.host_cores} host cores, "
              f"host read {hardware.host_read_bandwidth(hardware.host_attention_threads):.0f} GB/s), "
-             f"{scenario.workload}, {scenario.num_requests} requests, "
+             f"{scenario.workload}, {scenario.num_requests} requests{_arrivals(scenario)}, "
              f"{'measured profile ' + scenario.profile if scenario.profile else 'synthesized stage times'}",
              f"{'policy':<13}{'out tok/s':>10}{'total tok/s':>12}{'steady':>9}{'ratio':>7}{'steady r':>9}"
              f"{'iters':>7}{'host %':>7}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>17}{'head/tail s':>13}"]
@@ -154,6 +157,10 @@ def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
             lines.append(f"  {result.policy}: {result.finished_requests} of {result.num_requests} requests finished"
                          + (" (cut at --duration)" if result.cut_short else ""))
     return "\n".join(lines)
+
+
+def _arrivals(scenario: Scenario) -> str:
+    return " at the trace's arrival times" if scenario.arrivals == "trace" else " submitted at once"
 
 
 def _head_and_tail(seconds: tuple[float, float] | None) -> str:

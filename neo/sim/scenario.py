@@ -2,7 +2,7 @@
 ``run_scenario``, which simulates each policy (``neo.sim.simulator``) on the stage times
 synthesized for the machine (``neo.sim.stage_times``) or measured on it (``profile``)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neo.bench.workloads import parse_workload
 from neo.config import POLICIES, EngineConfig
@@ -15,6 +15,10 @@ from .parts import cache_layout
 from .simulator import Simulation, SimulationResult
 from .stage_times import synthesize_table
 
+# How the requests of a workload reach the engine: "at-once", all at the start as `neo bench`
+# submits them (an offline run); "trace", at the workload's arrival times where it has them.
+ARRIVALS = ("at-once", "trace")
+
 
 @dataclass
 class Scenario:
@@ -24,7 +28,9 @@ class Scenario:
     own pools of ``gpu_kv_cache_gib`` and ``cpu_kv_cache_gib``, as the engine's settings are per
     rank). The ranks run the same plans in lockstep, so one rank is simulated, with its shapes
     (``neo.models.parallel.rank_config``) and a profile measured on a rank of that many (its
-    stage times hold the collectives, which synthesized stage times do not model)."""
+    stage times hold the collectives, which synthesized stage times do not model).
+    ``arrivals``: one of ``ARRIVALS``; with "at-once" a trace's arrival times are dropped, so the
+    prediction is of what `neo bench` measures on the same workload."""
 
     model: str
     hardware: Hardware
@@ -46,6 +52,7 @@ class Scenario:
     duration: float | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
+    arrivals: str = "at-once"
 
     def engine_config(self, policy: str) -> EngineConfig:
         """The engine settings of ``policy`` in this scenario (validated as the engine's)."""
@@ -93,9 +100,13 @@ def run_scenario(scenario: Scenario, show_progress: bool = False, on_iteration=N
         raise ValueError(f"num_requests must be >= 1, got {scenario.num_requests}")
     if scenario.duration is not None and not scenario.duration > 0:
         raise ValueError(f"duration must be > 0 simulated seconds, got {scenario.duration}")
+    if scenario.arrivals not in ARRIVALS:
+        raise ValueError(f"unknown arrivals {scenario.arrivals!r}; choose from {', '.join(ARRIVALS)}")
     model = rank_config(resolve_model_config(scenario.model), scenario.tensor_parallel_size)
     max_model_len = min(scenario.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     workload = parse_workload(scenario.workload, scenario.num_requests, seed=scenario.seed)
+    if scenario.arrivals == "at-once":
+        workload = [replace(item, arrival_offset=None) for item in workload]
     results = []
     for policy in scenario.policies:
         config = scenario.engine_config(policy)
