@@ -111,10 +111,11 @@ def trace_statistics(trace: list[dict]) -> dict:
     eager = [r for r in decode_only if not r["graph_replayed"]]
     # Of those, the iterations that also moved blocks between the pools.
     swapping = [r for r in decode_only if r["blocks_swapped"]]
-    # The same iterations while a host batch was in flight and while none was (async host
-    # pipeline): how much the batches slow the GPU's iterations, as the trace shows it.
-    graphed_beside = [r for r in graphed if r.get("beside_host_batch")]
-    graphed_alone = [r for r in graphed if r.get("beside_host_batch") is False]
+    # The same iterations, those that moved no blocks, while a host batch was in flight and
+    # while none was (async host pipeline): how much the batches slow the GPU's iterations, as
+    # the trace shows it.
+    graphed_beside = [r for r in graphed if r.get("beside_host_batch") and not r["blocks_swapped"]]
+    graphed_alone = [r for r in graphed if r.get("beside_host_batch") is False and not r["blocks_swapped"]]
     graph_errors = prediction_errors(graphed)
     # A host batch's attention hides under GPU work unless the engine had no GPU work and
     # waited for the batch.
@@ -123,6 +124,12 @@ def trace_statistics(trace: list[dict]) -> dict:
     # Prefill iterations, split into the step's phases: what the launching thread spent
     # beyond the GPU's busy time shows where it waited.
     prefills = [r for r in records if r["prefill_tokens"] and r["gpu_busy_seconds"] is not None]
+
+    def prefill_ms_per_1k_tokens(beside: bool) -> float | None:
+        """Median measured milliseconds per 1000 prompt tokens of the prefill iterations planned
+        beside a host batch (or with none in flight): what host batches cost prefills."""
+        return median([1e6 * r["measured_seconds"] / r["prefill_tokens"] for r in records
+                       if r["prefill_tokens"] and r.get("beside_host_batch") is beside])
     freed = [r["device_segments_freed"] for r in records if r.get("device_segments_freed") is not None]
     return {
         "iterations": len(records),
@@ -157,6 +164,10 @@ def trace_statistics(trace: list[dict]) -> dict:
         "median_prefill_gpu_busy_s": median_of(prefills, "gpu_busy_seconds"),
         "median_prefill_launch_s": median_of(prefills, "launch_seconds"),
         "median_prefill_queue_s": median_of(prefills, "queue_seconds"),
+        "prefill_iterations_beside_host_batch": sum(1 for r in records if r["prefill_tokens"]
+                                                    and r.get("beside_host_batch")),
+        "median_prefill_ms_per_1k_tokens_beside_host_batch": prefill_ms_per_1k_tokens(True),
+        "median_prefill_ms_per_1k_tokens_alone": prefill_ms_per_1k_tokens(False),
         "device_segments_freed": sum(freed) if freed else None,
     }
 

@@ -353,14 +353,16 @@ def test_under_async_scheduling_each_iteration_is_measured_against_its_own_plan(
     alone, whatever order the plans were made in."""
     scheduler = slow_host_batch_scheduler(40)
     first = scheduler.schedule()
-    assert first.host_batch is not None and first.interference_sample == (pytest.approx(0.01), True)
+    assert first.host_batch is not None and first.interference_sample == pytest.approx(0.01)
+    assert first.beside_host_batch is True
     host_requests = first.host_batch.host_decodes
     scheduler.update(first, None, HostBatchOutput(host_requests, [TOKEN] * len(host_requests), 0.05, 0.04,
                                                   False, 0.0))
     for request in host_requests:
         scheduler.abort(request)
     second = scheduler.schedule()
-    assert second.host_batch is None and second.interference_sample == (pytest.approx(0.01), False)
+    assert second.host_batch is None and second.interference_sample == pytest.approx(0.01)
+    assert second.beside_host_batch is False
     interference = scheduler.placement.interference
     execute(scheduler, first, seconds=0.1)
     execute(scheduler, second, seconds=0.01)

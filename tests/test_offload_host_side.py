@@ -18,16 +18,24 @@ def offload():
     return benchmark_module("offload")
 
 
-def traced_run(tmp_path, policy: str, gpu_blocks: int = 10) -> tuple[list[dict], LLMEngine]:
+def traced_run(tmp_path, policy: str, gpu_blocks: int = 10,
+               late_prompts: int = 0) -> tuple[list[dict], LLMEngine]:
+    """The run's records; ``late_prompts`` more requests arrive after the third iteration (once
+    neo decodes on the host here)."""
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", policy=policy, host_pipeline="async",
                                     gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
                                     perf_model="zero", max_num_seqs=8, trace_path=str(tmp_path / "trace.json")))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
         for index, prompt in enumerate(PROMPTS):
-            engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                               request_id=str(index))
+            engine.add_request(prompt, params, request_id=str(index))
+        late = [prompt for _, prompt in zip(range(late_prompts), PROMPTS * late_prompts)]
         while engine.has_unfinished_requests():
             engine.step()
+            if late and engine.metrics.iterations >= 3:
+                for index, prompt in enumerate(late):
+                    engine.add_request(prompt, params, request_id=f"late-{index}")
+                late = []
         return [dataclasses.asdict(record) for record in engine.trace.records], engine
     finally:
         engine.close()
@@ -62,19 +70,27 @@ def test_no_host_batches_no_host_side(offload, tmp_path):
     assert offload.host_side(records, 1024) is None
 
 
-def test_each_decode_iteration_says_whether_a_host_batch_was_in_flight(offload, tmp_path):
-    """Under the async host pipeline a decode-only iteration's record (no prefill, no swap) says
-    whether it was planned beside a host batch; prefills say nothing, nor does gpu-only. The
-    statistics split the graph-replayed decodes by it (none replay on the CPU)."""
-    records, _ = traced_run(tmp_path, "neo")
+def test_each_iteration_says_whether_a_host_batch_was_in_flight(offload, tmp_path):
+    """Under the async host pipeline every iteration's record says whether it was planned
+    beside a host batch; gpu-only's say nothing. The statistics split the graph-replayed decodes
+    (none replay on the CPU) and the prefills by it: milliseconds per 1000 prompt tokens."""
+    records, _ = traced_run(tmp_path, "neo", gpu_blocks=6, late_prompts=3)
     iterations = [r for r in records if not r["host_batch"]]
-    assert all(r["beside_host_batch"] is None for r in iterations if r["prefill_tokens"])
-    assert any(r["beside_host_batch"] is True for r in iterations if not r["prefill_tokens"])
+    assert all(isinstance(r["beside_host_batch"], bool) for r in iterations)
+    assert any(r["beside_host_batch"] for r in iterations if not r["prefill_tokens"])
     statistics = offload.trace_statistics(records)
     assert statistics["median_graph_decode_beside_host_batch_s"] is None
     assert statistics["median_graph_decode_alone_s"] is None
-    records, _ = traced_run(tmp_path, "gpu-only")
+    for beside in (True, False):
+        prefills = [r for r in iterations if r["prefill_tokens"] and r["beside_host_batch"] is beside]
+        assert prefills, f"no prefill iteration {'beside' if beside else 'without'} a host batch"
+        assert statistics[f"median_prefill_ms_per_1k_tokens_{'beside_host_batch' if beside else 'alone'}"] \
+            == pytest.approx(statistics_median([1e6 * r["measured_seconds"] / r["prefill_tokens"] for r in prefills]))
+    assert statistics["prefill_iterations_beside_host_batch"] == len(
+        [r for r in iterations if r["prefill_tokens"] and r["beside_host_batch"]])
+    records, _ = traced_run(tmp_path, "gpu-only", late_prompts=3)
     assert all(r["beside_host_batch"] is None for r in records)
+    assert offload.trace_statistics(records)["median_prefill_ms_per_1k_tokens_alone"] is None
 
 
 def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):

@@ -635,7 +635,7 @@ class LLMEngine:
             blocks_swapped=len(plan.swap_out) + len(plan.swap_in),
             device_segments_freed=(None if segments_freed is None else segments_freed - segments_freed_before),
             host_context_tokens=sum(request.num_tokens for batch in batches for request in batch.host_decodes),
-            beside_host_batch=plan.interference_sample[1] if plan.interference_sample is not None else None))
+            beside_host_batch=plan.beside_host_batch))
 
     def start_profile(self) -> None:
         """Start recording a ``torch.profiler`` timeline on every rank

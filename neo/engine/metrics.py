@@ -65,8 +65,8 @@ class IterationRecord:
     # Context tokens the host decodes attended over, summed over them (their K/V bytes are what
     # host attention reads: these tokens times the layout's bytes per token).
     host_context_tokens: int = 0
-    # A decode-only iteration under the async host pipeline: whether a host batch was in flight
-    # beside it when it was planned (None for other iterations).
+    # Under the async host pipeline: whether a host batch was in flight beside the iteration when
+    # it was planned (None under the other pipelines).
     beside_host_batch: bool | None = None
 
 

@@ -61,11 +61,14 @@ class SchedulerOutput:
     host_batch_predicted_time: float | None = None
     host_batch_predicted_host_time: float | None = None
     host_batch_profiled_host_time: float | None = None
-    # A decode-only iteration under the async host pipeline: (its estimated seconds alone,
-    # whether a host batch is in flight beside it), from which the measured slowdown beside a
-    # host batch is learned once it has run (``HostBatchInterference``). Carried by the plan, as
-    # async scheduling makes the next plan before this one's time is measured.
-    interference_sample: tuple[float, bool] | None = None
+    # Under the async host pipeline: whether a host batch is in flight beside this plan's GPU
+    # work (the one launched with it included); None under the other pipelines.
+    beside_host_batch: bool | None = None
+    # A decode-only iteration under the async host pipeline that moves no blocks: its estimated
+    # seconds alone, against which its measured time teaches the slowdown beside host batches
+    # (``HostBatchInterference``) once it has run. Carried by the plan, as async scheduling makes
+    # the next plan before this one's time is measured.
+    interference_sample: float | None = None
 
     @property
     def is_empty(self) -> bool:

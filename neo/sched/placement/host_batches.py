@@ -109,8 +109,7 @@ class HostBatches(Placement):
     def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
         super().observe(scheduler, plan, output)
         if plan.interference_sample is not None:
-            estimated_alone, beside = plan.interference_sample
-            self.interference.observe(estimated_alone, output.seconds, beside)
+            self.interference.observe(plan.interference_sample, output.seconds, plan.beside_host_batch)
 
     def measured_corrections(self, scheduler) -> tuple:
         return scheduler.estimates.host_calibration.scale, self.interference.factor
@@ -132,7 +131,8 @@ class HostBatches(Placement):
         plan.predicted_time = alone * slowdown
         # A plan's block copies lengthen it beyond its estimate, so it is no sample of interference.
         decode_only = bool(batch0) and not batch0.prefills and not plan.has_swaps
-        plan.interference_sample = (alone, self.in_flight is not None) if decode_only else None
+        plan.beside_host_batch = self.in_flight is not None
+        plan.interference_sample = alone if decode_only else None
 
     def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],
                            plan: SchedulerOutput) -> None:
