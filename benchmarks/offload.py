@@ -35,6 +35,9 @@ read bandwidth (a ``torch.sum`` probe over a rotated buffer of ``--read-probe-gi
 engine's host attention threads, ``read_probe.py``) over the K/V bytes a host decode read on
 average (its context's K and V over every layer); and how the host batches' time splits: the
 share in which the host functions ran (the host attending) and the K/V read rate while they ran.
+How much host batches slow the GPU's iterations beside them: the graph-replayed decodes' median
+seconds and the prefills' median milliseconds per 1000 prompt tokens, planned beside a batch
+and with none in flight.
 
     python benchmarks/offload.py --scenario 32b-poor --duration 60 --output-dir results/
 """
