@@ -178,12 +178,22 @@ def test_two_ranks_give_the_greedy_tokens_of_one_under_gpu_only(one_rank_tokens)
     assert not [pid for pid in workers if process_exists(pid)]
 
 
+@pytest.fixture
+def interruptible_ranks():
+    """SIGINT handled in this process while the test starts its ranks, so that they start with
+    its default (a KeyboardInterrupt) even where the test runner ignores it, as a background job
+    does: a spawned process inherits an ignored signal, not a handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signal_number, reported", [
     (signal.SIGINT, "tensor-parallel rank 1 failed: KeyboardInterrupt"),
     (signal.SIGKILL, "the tensor-parallel ranks stopped working together: neo-rank-1 ended")],
     ids=["interrupted", "killed"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["synchronous", "ahead"])
-def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported, async_scheduling):
+def test_a_failed_rank_surfaces_in_the_caller(signal_number, reported, async_scheduling, interruptible_ranks):
     llm = LLM("neo-tiny", **engine_options(2, async_scheduling=async_scheduling))
     worker = llm.engine.rank_workers.processes[0]
     try:
