@@ -14,6 +14,8 @@
    cut at their time limit are also compared over all that ran.
 3. Iteration and host batch times: simulated against those measured.
 4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
+5. Two ranks: Llama-3.1-70B shapes on two GPUs, measured against simulated with the rank
+   profile measured there (``neo/sim/profiles``), end to end and gpu-only's own throughput.
 
 CPU only; about a minute.
 
@@ -31,6 +33,7 @@ from neo.sim.scenario import Scenario, run_scenario
 from neo.sim.stage_times import StageModel, synthesize_table
 
 PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
+PROFILE_70B_TP2 = str(resources.files("neo.sim.profiles").joinpath("llama-3.1-70b-tp2-h200-profile.json"))
 POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_model_len=4096)
 
 # (label, scenario settings, requests, seconds, measured neo/gpu-only ratios, where measured). The
@@ -91,6 +94,16 @@ H100_CUT_RUNS = [
      576.4 / 340.5, "2026-11-25 tenth session, current engine (c212560)"),
     ("32B poor 1000/300", dict(model="qwen2.5-32b", workload="synthetic:input=1000,output=300", **POOR), 200, 30,
      271.6 / 201.1, "2026-11-25 tenth session, current engine (c212560)"),
+]
+
+
+# Two ranks of Llama-3.1-70B shapes on two H200s of a 32-core host, 6 GiB GPU and 24 GiB host
+# pools per rank, context 4096, every request to completion: (label, workload, requests,
+# measured gpu-only and neo output tokens/s end to end, where measured)
+TWO_RANK_RUNS = [
+    ("70B two ranks 1000/300", "synthetic:input=1000,output=300", 100, 735.1, 736.3,
+     "2026-11-27 eighteenth session, aea59dc"),
+    ("70B two ranks, Azure code", "azure-code", 100, 69.6, 65.8, "2026-11-27 eighteenth session, aea59dc"),
 ]
 
 
@@ -244,10 +257,27 @@ def paper() -> None:
           f"tensor-parallel communication), 16-core host, Llama-3.1-70B, 1000/300 | {ratios(results)[1]:.2f}x |\n")
 
 
+def two_ranks() -> None:
+    hardware = with_overrides(preset("h100"), {"host_cores": 32})
+    print("## Two ranks: neo / gpu-only end to end, measured vs simulated with the measured rank profile\n")
+    print("| scenario | requests | measured | simulated (error) | gpu-only tok/s, measured / simulated (error) |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, workload, requests, gpu_only, neo, source in TWO_RANK_RUNS:
+        settings = dict(model="llama-3.1-70b", workload=workload, gpu_kv_cache_gib=6.0, cpu_kv_cache_gib=24.0,
+                        max_model_len=4096, tensor_parallel_size=2)
+        results = simulate(settings, hardware, requests, None, PROFILE_70B_TP2)
+        measured, simulated = neo / gpu_only, ratios(results)[1]
+        predicted_gpu_only = results[0].output_tokens_per_s
+        print(f"| {label} | {requests} | {measured:.3f}x ({source}) | {simulated:.3f}x "
+              f"({simulated / measured - 1:+.1%}) | {gpu_only:.1f} / {predicted_gpu_only:.1f} "
+              f"({predicted_gpu_only / gpu_only - 1:+.1%}) |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="stages,h100,iterations,paper",
-                        help="comma-separated: stages, h100, iterations, paper")
+    parser.add_argument("--sections", default="stages,h100,iterations,paper,two-ranks",
+                        help="comma-separated: stages, h100, iterations, paper, two-ranks")
     sections = parser.parse_args().sections.split(",")
     if "stages" in sections:
         stage_table_comparison()
@@ -257,6 +287,8 @@ def main() -> None:
         iteration_times()
     if "paper" in sections:
         paper()
+    if "two-ranks" in sections:
+        two_ranks()
 
 
 if __name__ == "__main__":
