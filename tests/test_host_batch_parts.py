@@ -2,7 +2,7 @@
 ranges gives exactly the whole walk's logits, the split into parts covers every layer once, and a
 bad part size is refused. On CUDA, an engine whose host batches run their layers in several
 parts (graph replays, or eager walks where no graph fits), each launch queuing at most two of
-them, gives the tokens of one part.
+them, gives the tokens of one part, its graphs all captured while the engine was built.
 """
 
 import functools
@@ -160,6 +160,8 @@ def generate_with_parts(layers_per_part: int, monkeypatch, graphs: bool = True) 
         assert coverage.host_batch_graph(8) == graphs and not coverage.host_batch_graph(9)
         seen = {"replayed": 0, "launch_parts": []}
         launched_before = runner.part_launches  # by any warm-up while the engine was built
+        captured_at_build = set(runner.graphs.captures) if graphs else set()
+        assert len(captured_at_build) == len(runner.graph_shapes)  # every shape a host batch replays
         launch, collect = runner.launch, runner.collect
 
         def counting_launch(batch):
@@ -177,6 +179,7 @@ def generate_with_parts(layers_per_part: int, monkeypatch, graphs: bool = True) 
         seen["parts"] = len(runner.parts)
         seen["part_launches"] = runner.part_launches - launched_before
         seen["host_batches"] = llm.get_metrics()["host_batches"]
+        seen["captured_while_serving"] = (set(runner.graphs.captures) - captured_at_build) if graphs else set()
         return [output.outputs[0].token_ids for output in outputs], seen
     finally:
         llm.close()
@@ -192,6 +195,7 @@ def test_graph_parts_give_the_tokens_of_one_part(layers_per_part, monkeypatch):
     for seen in (whole, parted):
         assert seen["replayed"] > 0 and seen["host_batches"] > 0
         assert seen["part_launches"] == seen["parts"] * seen["host_batches"]  # replayed or eager alike
+        assert not seen["captured_while_serving"]  # all captured while the engine was built
     # A launch queues at most two parts; ``advance`` queued the others.
     assert max(parted["launch_parts"]) == 2 and max(whole["launch_parts"]) == 1
 

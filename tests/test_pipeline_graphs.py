@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from neo.runner.batch_inputs import build_batch_inputs
+from neo.runner.host_batches import host_batch_shapes
 from neo.runner.pipeline_graphs import StaticInputs, graph_shape, padded, padded_counts
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
 from neo.sched.scheduler_output import SubBatch
+from neo.sched.stage_order import HOST_BATCH_ORDERS, STAGE_ORDERS, host_batch_sub_batches
 
 BLOCK_SIZE = 4
 SIZES = padded_counts(8)
@@ -46,6 +48,27 @@ def test_decode_only_plans_with_host_decodes_have_a_shape():
     two = [inputs_of([5, 9, 3], [7, 2]).metadata, inputs_of([], [6, 6, 6]).metadata]
     assert graph_shape(two, SIZES, MAX_BLOCKS) == ((4, 2), (0, 4))
     assert graph_shape([inputs_of([], [5]).metadata], SIZES, MAX_BLOCKS) == ((0, 1),)
+
+
+@pytest.mark.parametrize("order", HOST_BATCH_ORDERS)
+@pytest.mark.parametrize("max_decodes", [1, 2, 5, 8, 12])
+def test_host_batch_shapes_are_the_shapes_host_batches_replay(order, max_decodes):
+    """The shapes captured at start-up are exactly those of the host batches of every size, as
+    the runner lays them out (split by the batch order, one ``BatchInputs`` per part), largest
+    first: no batch captures during serving, and no shape is captured that none replays."""
+    sizes = padded_counts(max_decodes)
+    replayed = set()
+    for count in range(1, max_decodes + 1):
+        batch_order, parts = host_batch_sub_batches(STAGE_ORDERS[order], count)
+        lengths = [3 + index % 7 for index in range(count)]
+        metadata = [inputs_of([], lengths[part]).metadata for part in parts]
+        replayed.add((batch_order.name, graph_shape(metadata, sizes, MAX_BLOCKS)))
+    shapes = host_batch_shapes(STAGE_ORDERS[order], max_decodes)
+    keys = [(batch_order.name, shape) for batch_order, shape in shapes]
+    assert len(keys) == len(set(keys)) and set(keys) == replayed
+    rows = [sum(host for _, host in shape) for _, shape in shapes]
+    assert rows == sorted(rows, reverse=True)
+    assert None not in {shape for _, shape in replayed}
 
 
 @pytest.mark.parametrize("case", ["prefill", "gpu-only", "too-wide", "too-many"])

@@ -210,6 +210,10 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         with startup.phase("host pipeline"):
             host_batches = HostBatchRunner(model, kv_cache, kernels, worker, device, config.max_num_seqs,
                                            max_blocks_per_sequence, graph_context, pad_rows, order=batch_order)
+        if host_batches.graphs is not None:
+            with startup.phase("host batch CUDA graphs"):
+                captured = host_batches.capture_graphs()
+            startup.note("host batch CUDA graphs", f"{captured} shapes")
     runner = ModelRunner(model, kv_cache, executor, device, {1: SEQUENTIAL, 2: stage_order}, decode_graphs,
                          pipeline_graphs, host_batches, plan_channel, max_sampled_rows=config.max_num_seqs,
                          share_samples=parallel.size > 1 and config.schedules_ahead)

@@ -25,7 +25,13 @@ its cuBLAS workspace, and concurrent GEMMs on a shared workspace deadlocked the 
 
 The batch's host work runs in CUDA host functions on its own executor's copy stream
 (``HostDecodeStage``), and its decode-only iteration is replayed from pipeline CUDA graphs when
-they fit. The CUDA driver holds only a few dozen pending host functions per stream; a launch
+they fit. The graphs of every shape a batch can replay (``host_batch_shapes``: the batch sizes
+padded as ``neo.runner.pipeline_graphs`` pads them, split as the batch order splits them) are
+captured when the engine is built (``capture_graphs``), largest first so that one memory pool
+fits them all, rather than in the first batch of each shape: a capture begins by waiting for
+the whole device, so during serving it would hold the batch (and the launching thread) for the
+GPU's iteration in flight and the capture itself, and under tensor parallelism for the slowest
+rank's. The CUDA driver holds only a few dozen pending host functions per stream; a launch
 beyond that blocks the launching thread until the host has run enough of them, and a graph of
 every layer holds one host function per layer. So the layers are captured in parts of at most
 ``layers_per_part`` layers (``neo.runner.executor.layer_parts``; one graph per part,
@@ -82,13 +88,26 @@ from .host_attention import HostKernels
 from .host_failures import raise_other_rank_failure, reduce_host_failures
 from .host_worker import HostAttentionWorker
 from .logits_processors import process_logits
-from .pipeline_graphs import PartReplay, PipelineGraphs
+from .pipeline_graphs import DEFAULT_CAPACITY, PartReplay, PipelineGraphs, padded, padded_counts
 from .sampler import Sampler
 from .token_logprobs import TokenLogprobs
 
 POLL_SECONDS = 0.0005  # between checks whether a host batch has completed
 DEFAULT_LAYERS_PER_PART = 16
 PARTS_PENDING = 2  # graph parts queued and not yet completed, at most
+
+
+def host_batch_shapes(order: StageOrder, max_decodes: int) -> list[tuple[StageOrder, tuple[tuple[int, int], ...]]]:
+    """Every (order, padded shape) a host batch of 1 to ``max_decodes`` decodes replays in
+    ``order`` (``host_batch_sub_batches`` splits it, ``padded_counts`` pads each part's rows;
+    a host batch has no GPU rows), the largest first."""
+    sizes = padded_counts(max_decodes)
+    shapes = {}
+    for count in range(1, max_decodes + 1):
+        batch_order, parts = host_batch_sub_batches(order, count)
+        shape = tuple((0, padded(part.stop - part.start, sizes)) for part in parts)
+        shapes[(batch_order.name, shape)] = (batch_order, shape)
+    return sorted(shapes.values(), key=lambda item: (sum(rows for _, rows in item[1]), item[0].name), reverse=True)
 
 
 class EagerParts(LayerPartWalk):
@@ -168,9 +187,11 @@ class HostBatchRunner:
         self.asynchronous = self.executor.stream_ordered_host_work
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.graphs = None
+        self.graph_shapes = []
         if self.asynchronous and graph_context is not None:
+            self.graph_shapes = host_batch_shapes(order, max_decodes)
             self.graphs = PipelineGraphs(model, self.executor, max_decodes, graph_context, self.block_size, device,
-                                         parts=parts)
+                                         capacity=max(DEFAULT_CAPACITY, len(self.graph_shapes)), parts=parts)
         self.sampler = Sampler()
         # The sampled tokens of the batch in flight land here (allocated once: allocating
         # page-locked memory waits for the whole device, the batch just queued included).
@@ -186,6 +207,19 @@ class HostBatchRunner:
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
+
+    def capture_graphs(self) -> int:
+        """Capture the graphs of every shape a host batch can replay (``host_batch_shapes``),
+        largest first, in the context a batch is queued in; returns how many are captured (0
+        without graphs; fewer when a capture failed and turned the graphs off). Every rank
+        captures the same shapes in the same order, as it builds its runner."""
+        if self.graphs is None:
+            return 0
+        with self._on_host_stream():
+            for order, shape in self.graph_shapes:
+                if not self.graphs.capture(shape, order):
+                    return 0
+        return len(self.graph_shapes)
 
     def launch(self, batch: SubBatch) -> None:
         """Queue the batch (host decodes only; their slots made) on the host stream: its first

@@ -19,8 +19,9 @@ Shapes: sub-batch ``s`` of a replay holds ``g`` GPU decodes and ``c`` host decod
 Padding GPU rows decode a dummy token (slot -1: nothing stored; length 1 against block 0) as in
 ``DecodeGraphs``; padding host rows go through the GPU stages and the copies, but the host
 functions attend only over the real rows, so they cost the host nothing. Logits of the real
-rows are computed after the replay. Graphs are captured on the first iteration of a shape and
-at most ``capacity`` shapes are kept (the least recently used is dropped). On one rank a capture
+rows are computed after the replay. Graphs are captured on the first iteration of a shape (or
+ahead of it, ``capture``: the host batches' shapes at start-up) and at most ``capacity`` shapes
+are kept (the least recently used is dropped). On one rank a capture
 that fails turns the graphs off with a warning; iterations then run eagerly. Under tensor
 parallelism the graphs hold the model's collectives, every rank captures the same shape at the
 same plan, and a capture that fails is raised instead: one rank falling back to eager work while
@@ -197,6 +198,13 @@ class PipelineGraphs:
         while not replay.all_queued:
             replay.queue_next()
         return replay.logits()
+
+    @torch.inference_mode()
+    def capture(self, shape: tuple[tuple[int, int], ...], order: StageOrder) -> bool:
+        """Capture ``shape`` in ``order`` now, unless it is captured already (``start`` would
+        capture it in the first plan of that shape); False when the capture failed and the
+        graphs are off (one rank; above one, the failure is raised)."""
+        return (order.name, shape) in self.captures or self._capture(shape, order) is not None
 
     @torch.inference_mode()
     def start(self, batches: list[BatchInputs], shape: tuple[tuple[int, int], ...],
