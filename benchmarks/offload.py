@@ -194,11 +194,12 @@ def host_side(trace: list[dict], kv_bytes_per_token: int) -> dict | None:
 
 
 def policy_label(config: EngineConfig) -> str:
-    """The policy, with ``/async`` under the async host pipeline and the return order where it
-    is not the default (``/oldest``)."""
+    """The policy with its host pipeline (``neo/async``, ``neo/lockstep``, ``neo/auto``), and
+    the return order where it is not the default (``/oldest``): one label, and one trace file,
+    per run of a benchmark."""
     if config.policy == "gpu-only":
         return config.policy
-    return (config.policy + ("/async" if config.host_pipeline == "async" else "")
+    return (f"{config.policy}/{config.host_pipeline}"
             + (f"/{config.return_order}" if config.return_order != EngineConfig.return_order else ""))
 
 

@@ -10,7 +10,7 @@ import pytest
 from benchmark_modules import benchmark_module
 from engine_reference import PROMPTS, gib_for_blocks
 from neo import EngineConfig, LLMEngine, SamplingParams
-
+from neo.config import HOST_PIPELINES
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,11 @@ def test_each_iteration_says_whether_a_host_batch_was_in_flight(offload, tmp_pat
 
 def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):
     assert offload.policy_label(EngineConfig(policy="gpu-only")) == "gpu-only"
-    assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="lockstep")) == "neo"
+    labels = {offload.policy_label(EngineConfig(policy=policy, host_pipeline=pipeline))
+              for policy in ("neo", "full-offload") for pipeline in HOST_PIPELINES}
+    assert len(labels) == 2 * len(HOST_PIPELINES)  # one trace file per run
+    assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="lockstep")) == "neo/lockstep"
+    assert offload.policy_label(EngineConfig(policy="neo", host_pipeline="auto")) == "neo/auto"
     assert offload.policy_label(EngineConfig(policy="neo")) == "neo/async"
     assert offload.policy_label(EngineConfig(policy="neo", return_order="most-remaining")) == "neo/async"
     assert offload.policy_label(EngineConfig(policy="neo", return_order="oldest")) == "neo/async/oldest"
