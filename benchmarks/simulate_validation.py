@@ -104,6 +104,9 @@ TWO_RANK_RUNS = [
     ("70B two ranks 1000/300", "synthetic:input=1000,output=300", 100, 735.1, 736.3,
      "2026-11-27 eighteenth session, aea59dc"),
     ("70B two ranks, Azure code", "azure-code", 100, 69.6, 65.8, "2026-11-27 eighteenth session, aea59dc"),
+    ("70B two ranks 1000/300", "synthetic:input=1000,output=300", 300, 762.0, 738.2,
+     "2026-11-27 nineteenth session, 969c527"),
+    ("70B two ranks, Azure code", "azure-code", 100, 70.4, 65.3, "2026-11-27 nineteenth session, 969c527"),
 ]
 
 
