@@ -86,7 +86,7 @@ def test_policies_equal_transformers_on_gpu_float32(setting, cuda_graphs, expect
         assert metrics["host_batches"] > 0 and metrics["two_batch_iterations"] == 0
         assert (metrics["graph_host_batches"] > 0) == cuda_graphs
         order = SETTINGS[setting].get("host_batch_order", "host-batch")
-        if cuda_graphs:  # host batches replayed pipeline graphs of their order's sub-batches
+        if cuda_graphs:  # captured while the engine was built: the shapes of the order's sub-batches
             assert captured and all((name, len(shape)) in (("host-batch", 1), (order, 2)) for name, shape in captured)
             assert any(name == order for name, _ in captured)
         if setting.startswith("neo-async"):  # GPU decodes replayed decode graphs meanwhile
