@@ -84,6 +84,11 @@ H100_WHOLE_RUNS = [
     ("8B poor 1000/100", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=100", **POOR), 200,
      1265.2 / 1263.8, "2026-11-25 tenth session, current engine (c212560)"),
     ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2344.7 / 2315.9, "2026-11-25 ninth session, 28734b7"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2488.2 / 2541.9, "2026-11-27 nineteenth session, 969c527"),
+    ("8B poor 1000/300", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=300", **POOR), 100,
+     1564.1 / 1342.4, "2026-11-27 nineteenth session, 969c527"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
+     490.2 / 325.2, "2026-11-27 nineteenth session, 969c527"),
 ]
 
 
@@ -177,10 +182,16 @@ def h100_scenarios() -> None:
         print(f"| {label} | {requests}, {seconds} | {measured:.2f}x ({source}) | {cells[0]} | {cells[1]} |")
     print()
     print("Whole runs to completion (end-to-end output tokens/s):\n")
-    print("| scenario | requests | measured | numbers alone (error) |\n| --- | --- | --- | --- |")
+    print("| scenario | requests | measured | numbers alone (error) | profile (error) |\n| --- | --- | --- | --- | --- |")
     for label, settings, requests, measured, source in H100_WHOLE_RUNS:
-        whole = ratios(simulate(settings, hardware, requests, None))[1]
-        print(f"| {label} | {requests} | {measured:.2f}x ({source}) | {whole:.2f}x ({whole / measured - 1:+.0%}) |")
+        cells = []
+        for profile in (None, PROFILE if settings["model"] == "qwen2.5-32b" else None):
+            if cells and profile is None:
+                cells.append("-")
+                continue
+            whole = ratios(simulate(settings, hardware, requests, None, profile))[1]
+            cells.append(f"{whole:.2f}x ({whole / measured - 1:+.0%})")
+        print(f"| {label} | {requests} | {measured:.2f}x ({source}) | {cells[0]} | {cells[1]} |")
     print()
 
 
