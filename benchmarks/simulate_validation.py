@@ -184,13 +184,9 @@ def h100_scenarios() -> None:
     print("Whole runs to completion (end-to-end output tokens/s):\n")
     print("| scenario | requests | measured | numbers alone (error) | profile (error) |\n| --- | --- | --- | --- | --- |")
     for label, settings, requests, measured, source in H100_WHOLE_RUNS:
-        cells = []
-        for profile in (None, PROFILE if settings["model"] == "qwen2.5-32b" else None):
-            if cells and profile is None:
-                cells.append("-")
-                continue
-            whole = ratios(simulate(settings, hardware, requests, None, profile))[1]
-            cells.append(f"{whole:.2f}x ({whole / measured - 1:+.0%})")
+        profiles = (None, PROFILE) if settings["model"] == "qwen2.5-32b" else (None,)
+        wholes = [ratios(simulate(settings, hardware, requests, None, profile))[1] for profile in profiles]
+        cells = [f"{whole:.2f}x ({whole / measured - 1:+.0%})" for whole in wholes] + ["-"] * (2 - len(wholes))
         print(f"| {label} | {requests} | {measured:.2f}x ({source}) | {cells[0]} | {cells[1]} |")
     print()
 

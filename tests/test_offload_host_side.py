@@ -29,7 +29,7 @@ def traced_run(tmp_path, policy: str, gpu_blocks: int = 10,
     try:
         for index, prompt in enumerate(PROMPTS):
             engine.add_request(prompt, params, request_id=str(index))
-        late = [prompt for _, prompt in zip(range(late_prompts), PROMPTS * late_prompts)]
+        late = (PROMPTS * late_prompts)[:late_prompts]
         while engine.has_unfinished_requests():
             engine.step()
             if late and engine.metrics.iterations >= 3:
