@@ -6,9 +6,11 @@ import pytest
 
 from neo import EngineConfig, LLMEngine
 from neo.cli import main as cli_main
+from neo.request import KVLocation
 from neo.runner.profiler import Profiler
 from neo.sched.cost import StageTimes
 from neo.sched.perf_model import PerfModel, PerfTable, interpolate
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 from neo.sched.stage_order import ASYMMETRIC, SEQUENTIAL
 
 SMALL = dict(gpu_kv_cache_gib=0.005, cpu_kv_cache_gib=0.02, max_num_batched_tokens=256, max_num_seqs=16)
@@ -141,4 +143,56 @@ def test_profiles_within_the_models_context(tmp_path, monkeypatch, max_model_len
     try:
         assert not engine.scheduler.estimates.perf_model.is_zero
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_table_is_keyed_by_whether_the_engine_schedules_ahead(tmp_path, monkeypatch, async_scheduling):
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(EngineConfig(policy="neo", perf_model="zero", async_scheduling=async_scheduling, **SMALL))
+    try:
+        key = engine.profiler.key()
+        assert engine.profiler.schedules_ahead is async_scheduling
+        assert ("schedules_ahead" in key) is (not async_scheduling)
+    finally:
+        engine.close()
+
+
+def test_iterations_timed_ahead_are_launched_before_the_one_before_is_read(tmp_path, monkeypatch):
+    """``Profiler._time_ahead`` runs a plan as async scheduling does: after a warm-up, every
+    read has the next iteration already queued behind it, and every launch is read once."""
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(EngineConfig(policy="neo", perf_model="zero", async_scheduling=True, **SMALL))
+    profiler, runner = engine.profiler, engine.runner
+    events, in_flight = [], []
+    launch, collect = runner.launch, runner.collect
+
+    def counted_launch(*args, **kwargs):
+        launched = launch(*args, **kwargs)
+        in_flight.append(launched)
+        events.append(("launch", len(in_flight)))
+        return launched
+
+    def counted_collect(launched):
+        events.append(("collect", len(in_flight)))
+        in_flight.remove(launched)
+        return collect(launched)
+
+    monkeypatch.setattr(runner, "launch", counted_launch)
+    monkeypatch.setattr(runner, "collect", counted_collect)
+    requests = profiler.allocate_requests(KVLocation.GPU, [5, 9, 17])
+    try:
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)], stage_order=SEQUENTIAL)
+        seconds = profiler._time_ahead(plan, iterations=4)
+        assert 0 < seconds < float("inf")
+        timed = events[2:]  # after the warm-up's launch and read
+        assert len(timed) == profiler.repeats * 2 * (4 + 2)
+        assert not in_flight
+        collects = [depth for kind, depth in timed if kind == "collect"]
+        assert len(collects) == profiler.repeats * (4 + 2)
+        # Every read but the last of each repeat has the next launch queued: two in flight.
+        assert collects == ([2] * (4 + 1) + [1]) * profiler.repeats
+        assert all(r.num_cached_tokens == r.num_tokens - 1 for r in requests)  # the requests are left as they were
+    finally:
+        profiler.free_requests(requests)
         engine.close()

@@ -222,7 +222,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
     if offloading:  # the profiler, when it runs, measures through the runner built above
         profiler = Profiler(runner, block_manager,
                             ProfileLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
-                            worker.num_threads, kernels.attention.name, stage_order, host_batch_order=batch_order)
+                            worker.num_threads, kernels.attention.name, stage_order, host_batch_order=batch_order,
+                            schedules_ahead=config.schedules_ahead)
         if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
             with startup.phase("perf model"):
                 perf_model = load_perf_model(config.perf_model, profiler)

@@ -16,10 +16,14 @@ layer on its own cache, with block tables laid out as the block manager hands ou
   two-sub-batch plan replayed from a pipeline CUDA graph; host_batch_overhead: a small host
   batch of the async host pipeline, launched and collected (engines with that pipeline);
 - graph_decode: whole decode-only iterations of short requests through the engine's runner,
-  which replays its CUDA graphs for them (when the engine has graphs).
+  which replays its CUDA graphs for them (when the engine has graphs). Under async scheduling
+  they are launched as the engine launches them, each before the tokens of the one before are
+  read, and timed from one read to the next: the input preparation of one iteration overlaps
+  the device's previous one, so a replay costs its device time, not that plus the launch.
 
-The table is keyed by model shape (and tensor-parallel rank count, and the host-batch order
-where it is not ``host-batch``), dtype, device, block size, host threads, the CPU attention
+The table is keyed by model shape (and tensor-parallel rank count, the host-batch order
+where it is not ``host-batch``, and synchronous scheduling where the engine does not schedule
+ahead), dtype, device, block size, host threads, the CPU attention
 kernel, the two-sub-batch stage order and the compiled kernels' builds (a digest of each
 extension file: rebuilt kernels are profiled again), and cached under ``$NEO_CACHE_DIR``
 (default ``~/.cache/neo``) so the engine profiles once per machine (and again for an engine
@@ -54,7 +58,7 @@ from .model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 8
+PROFILE_METHOD = 9
 
 
 def cache_directory() -> str:
@@ -131,11 +135,14 @@ class Profiler:
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, limits: ProfileLimits, host_threads: int,
                  host_kernel: str, stage_order: StageOrder, repeats: int = 3,
-                 host_batch_order: StageOrder = HOST_BATCH):
+                 host_batch_order: StageOrder = HOST_BATCH, schedules_ahead: bool = True):
         """``host_threads``, ``host_kernel``: the host side's threads and CPU attention kernel;
         ``stage_order``: the lockstep pipeline's two-sub-batch order (part of the key);
         ``host_batch_order``: the async host pipeline's (part of the key unless ``host-batch``:
-        the host batch overhead is measured in it)."""
+        the host batch overhead is measured in it); ``schedules_ahead``: whether the engine
+        launches each iteration before reading the tokens of the one before
+        (``EngineConfig.schedules_ahead``; part of the key when not): graph decodes are timed
+        so."""
         self.runner = runner
         self.block_manager = block_manager
         self.limits = limits
@@ -143,6 +150,7 @@ class Profiler:
         self.host_kernel = host_kernel
         self.host_batch_order = host_batch_order
         self.stage_order = stage_order
+        self.schedules_ahead = schedules_ahead
         self.repeats = repeats
         self.model = runner.model
         self.model_config: ModelConfig = runner.model.config
@@ -159,7 +167,8 @@ class Profiler:
         size = self.model.parallel.size
         order = self.host_batch_order
         batch_order = {"host_batch_order": order.name} if order is not HOST_BATCH else {}
-        return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | {
+        synchronous = {} if self.schedules_ahead else {"schedules_ahead": False}
+        return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | synchronous | {
             "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
                             model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
             "dtype": str(self.layout.dtype).removeprefix("torch."),
@@ -416,6 +425,27 @@ class Profiler:
     def _measure_plan(self, plan: SchedulerOutput) -> float:
         return self._time(lambda: self.runner.execute(plan))
 
+    def _time_ahead(self, plan: SchedulerOutput, iterations: int = 8) -> float:
+        """Median seconds per iteration of ``plan`` launched back to back as async scheduling
+        launches them (``Engine._step_ahead``): each launch queued before the tokens of the one
+        before are read, timed from the first read to the last over ``iterations`` iterations
+        (after one warm-up). The requests' own tokens are their inputs: no launch takes
+        another's samples."""
+        runner = self.runner
+        runner.execute(plan)
+        samples = []
+        for _ in range(self.repeats):
+            in_flight = runner.launch(plan, read_later=True)
+            following = runner.launch(plan, read_later=True)
+            runner.collect(in_flight)
+            start = time.perf_counter()
+            for _ in range(iterations):
+                in_flight, following = following, runner.launch(plan, read_later=True)
+                runner.collect(in_flight)
+            samples.append((time.perf_counter() - start) / iterations)
+            runner.collect(following)
+        return statistics.median(samples)
+
     def _iteration_overhead(self, model: PerfModel) -> float:
         """The fixed overhead that makes the sequential order's cost meet a small measured
         decode iteration."""
@@ -443,7 +473,7 @@ class Profiler:
         requests = self.allocate_requests(KVLocation.GPU, [self._graph_decode_context()] * num_requests)
         plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=requests)], stage_order=SEQUENTIAL)
         try:
-            seconds = self._measure_plan(plan)
+            seconds = self._time_ahead(plan) if self.schedules_ahead else self._measure_plan(plan)
             if not self.runner.execute(plan).replayed_graph:
                 raise RuntimeError(f"the decode of {num_requests} requests did not replay a CUDA graph")
             return seconds
