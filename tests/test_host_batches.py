@@ -279,6 +279,35 @@ def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_sl
     assert not any(launches) and not scheduler.host_decodes_pay
 
 
+def test_a_measured_slowdown_below_the_gpu_stages_time_lets_a_small_batch_pay():
+    """9 host requests: a batch lasts 19 ms (10 ms of GPU stages, 9 ms of host attention).
+    Before anything is measured it costs its stages' 10 ms, 10 tokens of GPU time: more than
+    its 9, so it does not pay. Beside it the GPU iterations then measure 1.05x slower: the
+    stages ran in the iterations' gaps and cost them (1 - 1/1.05) * 19 ms, about 1 token, so
+    the batch pays and is launched."""
+    scheduler = slow_host_batch_scheduler(9)
+    placement = scheduler.placement
+    estimates = scheduler.estimates
+    context = sum(r.num_tokens for r in scheduler.running if r.location is HOST)
+    assert placement.gpu_cost(estimates, 9, context) == pytest.approx(0.01)
+    assert not placement.economics(scheduler, *split_running(scheduler))[0]
+    for _ in range(placement.interference.min_samples):
+        placement.interference.observe(0.01, 0.0105, beside_host_batch=True)
+    batch_seconds = estimates.host_batch_time_of(9, context)
+    assert batch_seconds == pytest.approx(0.019, rel=0.05)
+    assert placement.gpu_cost(estimates, 9, context) == pytest.approx((1 - 1 / 1.05) * batch_seconds)
+    assert placement.economics(scheduler, *split_running(scheduler))[0]
+    plan = scheduler.schedule()
+    assert plan.host_batch is not None and len(plan.host_batch.host_decodes) == 9
+    scheduler.fail_host_batch()
+
+
+def split_running(scheduler: Scheduler) -> tuple[list[Request], list[Request]]:
+    """(GPU requests, host requests) of the scheduler's running requests."""
+    return ([r for r in scheduler.running if r.location is GPU],
+            [r for r in scheduler.running if r.location is HOST])
+
+
 def test_without_gpu_work_a_host_batch_runs_whatever_it_pays():
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)

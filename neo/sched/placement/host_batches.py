@@ -16,8 +16,10 @@ graph of as many rows does, one launched stage by stage ``linear(n)``), and besi
 may run slower still (its kernels share the SMs, its host threads share the host with the
 launching thread). That slowdown is measured (``HostBatchInterference``: iterations beside a
 batch against their estimate alone): a batch that lasts ``T`` seconds with the iterations ``s``
-times slower costs them ``(1 - 1/s) * T`` seconds, and at least its GPU stages' time (the only
-cost before anything is measured). In that time a steady GPU iteration
+times slower costs them ``(1 - 1/s) * T`` seconds. Before anything is measured it costs its GPU
+stages' time, as if they ran in the GPU's iterations; once measured, that cost is not a floor:
+the stages run on a stream of their own, in the gaps of the GPU's iterations, and the measured
+slowdown is what the iterations lost (it can be less than the stages' time). In that time a steady GPU iteration
 (``Estimates.steady_gpu_batch``) makes ``gpu_rate * cost`` tokens, so a host batch of ``n``
 decodes gains ``n - gpu_rate * cost`` tokens: it pays when that is positive. New requests go to
 the host pool while a larger host population would gain more, and only while the host, at that
@@ -189,12 +191,10 @@ class HostBatches(Placement):
     def gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
         """Seconds of GPU-iteration time a host batch of that many decodes costs (see the
         module docstring)."""
-        linear = estimates.host_batch_gpu_time(num_host_decodes)
         slowdown = self.interference.factor
         if slowdown is None:
-            return linear
-        seconds = estimates.host_batch_time_of(num_host_decodes, context_tokens)
-        return max(linear, (1 - 1 / slowdown) * seconds)
+            return estimates.host_batch_gpu_time(num_host_decodes)
+        return (1 - 1 / slowdown) * estimates.host_batch_time_of(num_host_decodes, context_tokens)
 
     def economics(self, scheduler, gpu_requests: list[Request], host_requests: list[Request]) -> tuple[bool, bool]:
         """(do host decodes pay, would more of them pay) for a steady decode iteration's GPU
