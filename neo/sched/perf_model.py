@@ -19,7 +19,9 @@ Every time is for the whole model (all layers) and in seconds. Tables (from ``ne
   its stage order's cost: launches, hand-offs, the pipeline graph's replay.
 - ``graph_decode``: a whole decode-only iteration replayed from the engine's CUDA graphs vs
   requests, each of ``graph_decode_context`` tokens (input copies, replay, logits, sampling;
-  empty where the engine has no graphs). Longer contexts add their extra GPU attention time.
+  under async scheduling from one token read to the next with the next iteration launched
+  ahead, so input preparation overlaps the device; empty where the engine has no graphs).
+  Longer contexts add their extra GPU attention time.
   The stage tables are timed eagerly, and on a small model a decode iteration launched kernel
   by kernel takes much longer than its replay.
 
