@@ -19,9 +19,10 @@ batch against their estimate alone): a batch that lasts ``T`` seconds with the i
 times slower costs them ``(1 - 1/s) * T`` seconds. Before anything is measured it costs its GPU
 stages' time, as if they ran in the GPU's iterations; once measured, that cost is not a floor:
 the stages run on a stream of their own, in the gaps of the GPU's iterations, and the measured
-slowdown is what the iterations lost (it can be less than the stages' time). In that time a steady GPU iteration
-(``Estimates.steady_gpu_batch``) makes ``gpu_rate * cost`` tokens, so a host batch of ``n``
-decodes gains ``n - gpu_rate * cost`` tokens: it pays when that is positive. New requests go to
+slowdown is what the iterations lost (it can be less than the stages' time). In that time a
+steady GPU iteration (``Estimates.steady_gpu_batch``) makes ``gpu_rate * cost`` tokens, so a
+host batch of ``n`` decodes gains ``n - gpu_rate * cost`` tokens: it pays when that is
+positive. New requests go to
 the host pool while a larger host population would gain more, and only while the host, at that
 population's batch time, would finish the oldest waiting request (its remaining output, one
 token per host batch) before the GPU alone drains the rest of the work, the work still arriving
