@@ -1,7 +1,10 @@
 """``KVCache`` swaps: every layer at once (``swap``, what a plan that replays a graph or has no
 sub-batch runs) against layer by layer (``swap_layer``, the eager walk), on the CPU and, where
 there is one, a GPU with the page-locked host pool; and the parallel zeroing that faults the
-host pool in before it is page-locked."""
+host pool in before it is page-locked, in transparent huge pages where the system offers them."""
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +75,35 @@ def test_zero_in_parallel_zeroes_every_byte(num_bytes, threads):
     tensor.fill_(7)
     zero_in_parallel(tensor, threads)
     assert not tensor.any()
+
+
+def transparent_huge_page_mode() -> str | None:
+    """The bracketed choice of /sys/kernel/mm/transparent_hugepage/enabled, None without it."""
+    settings = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not settings.exists():
+        return None
+    match = re.search(r"\[(\w+)\]", settings.read_text())
+    return match.group(1) if match else None
+
+
+def huge_page_bytes_of(address: int) -> int:
+    """``AnonHugePages`` of the mapping in /proc/self/smaps that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if bounds:
+            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(transparent_huge_page_mode() not in ("always", "madvise"),
+                    reason="this system offers no transparent huge pages")
+def test_huge_page_zeros_are_backed_by_huge_pages():
+    """The memory is a private anonymous mapping: a shared one (Python's default for anonymous
+    ``mmap``) is shmem, which takes huge pages only under ``shmem_enabled`` and ignores the
+    advice, so the host pool would stay in 4 KiB pages."""
+    tensor = huge_page_zeros((16 * HUGE_PAGE_BYTES,), torch.uint8)
+    zero_in_parallel(tensor, 4)
+    assert huge_page_bytes_of(tensor.data_ptr()) >= 8 * HUGE_PAGE_BYTES

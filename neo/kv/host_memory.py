@@ -27,7 +27,9 @@ def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES)  # anonymous mappings read as zeros
+    # Private: Python's default anonymous mapping is shared, which Linux backs with shmem, whose
+    # huge pages are governed by shmem_enabled (usually "never") rather than the madvise below.
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
