@@ -196,3 +196,43 @@ def test_iterations_timed_ahead_are_launched_before_the_one_before_is_read(tmp_p
     finally:
         profiler.free_requests(requests)
         engine.close()
+
+
+
+def test_host_attention_points_are_measured_in_rounds(tmp_path, monkeypatch):
+    """Every point once per round, the first round a warm-up (not counted); a point's time is
+    the median of the later rounds, so one slow spell that falls into a single round does not
+    move it.
+    Points whose lengths the model caps to the same total are measured once."""
+    monkeypatch.setenv("NEO_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(EngineConfig(policy="neo", perf_model="zero", max_model_len=1024, **SMALL))
+    profiler = engine.profiler
+    visits = []
+
+    class Progress:
+        steps = 0
+
+        def update(self, steps):
+            self.steps += steps
+
+    try:
+        request_points, context_points = [1, 4], [256, 2048, 4096]
+        rows = profiler._host_points(request_points, context_points)
+        assert rows == [[[256], [1023]], [[64] * 4, [512] * 4, [1023] * 4]]  # 2048 and 4096 capped alike
+        points = [lengths for row in rows for lengths in row]
+        # 100x too slow: the warm-up round, and the first point of the second timed round
+        slow_visits = set(range(1, len(points) + 1)) | {2 * len(points) + 1}
+
+        def host_attention(lengths):
+            visits.append(lengths)
+            return (100.0 if len(visits) in slow_visits else 1.0) * sum(lengths)
+
+        monkeypatch.setattr(profiler, "_host_attention", host_attention)
+        progress = Progress()
+        tokens, seconds = profiler._host_attention_table(request_points, context_points, progress)
+        assert visits == points * (profiler.repeats + 1)
+        assert progress.steps == len(visits)
+        assert tokens == [[256, 1023], [256, 2048, 4092]]
+        assert seconds == [[float(t) for t in row] for row in tokens]
+    finally:
+        engine.close()

@@ -9,7 +9,8 @@ layer on its own cache, with block tables laid out as the block manager hands ou
 - prefill_attention: prefill attention of one prompt vs its length;
 - host_attention: host K/V store + decode attention vs (requests, context tokens), timed inside
   real iterations of host decodes through the engine's executor (the host functions' own
-  time), so the figure is what the engine's host work costs, hand-off included;
+  time), so the figure is what the engine's host work costs, hand-off included; the points are
+  measured in rounds (``_host_attention_table``);
 - pipeline_overhead / iteration_overhead: the overheads that make the cost function
   (``neo.sched.cost``, with the engine's stage orders) meet the measured time of small real
   plans (launches, hand-offs, copies, input preparation); pipeline_graph_overhead: the same
@@ -58,7 +59,7 @@ from .model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 # Part of the table key: a change to how stages are measured invalidates cached tables.
-PROFILE_METHOD = 9
+PROFILE_METHOD = 10
 
 
 def cache_directory() -> str:
@@ -243,8 +244,9 @@ class Profiler:
         token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
         prefill_points, request_points = points["prompt length"], points["host requests"]
         host_context_points, graph_points = points["host context"], points["graph batch"]
+        host_points = sum(len(row) for row in self._host_points(request_points, host_context_points))
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
-                 + len(request_points) * len(host_context_points) + 3 + len(graph_points))
+                 + (self.repeats + 1) * host_points + 3 + len(graph_points))
         # One progress bar: the driver's (the other ranks measure the same points in lockstep).
         with tqdm(total=steps, desc="profiling stage times", unit="point",
                   disable=self.model.parallel.rank != 0) as progress:
@@ -261,16 +263,8 @@ class Profiler:
                 table.prefill_seconds.append(self._prefill_attention(length))
                 progress.update(1)
             table.host_attention_requests = list(request_points)
-            for requests in request_points:
-                tokens, seconds = [], []
-                for context in host_context_points:
-                    lengths = self._host_lengths(requests, context)
-                    if sum(lengths) not in tokens:
-                        tokens.append(sum(lengths))
-                        seconds.append(self._host_attention(lengths))
-                    progress.update(1)
-                table.host_attention_tokens.append(tokens)
-                table.host_attention_seconds.append(seconds)
+            table.host_attention_tokens, table.host_attention_seconds = self._host_attention_table(
+                request_points, host_context_points, progress)
             model = PerfModel(table)
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
@@ -395,13 +389,49 @@ class Profiler:
                      per_request_blocks * block_size - 1)
         return [length] * num_requests
 
+    def _host_points(self, request_points: list[int], context_points: list[int]) -> list[list[list[int]]]:
+        """Per request count, the request lengths of each host-attention point: one per
+        context point, those that come out at the same total (capped lengths) measured once."""
+        rows = []
+        for requests in request_points:
+            row = []
+            for context in context_points:
+                lengths = self._host_lengths(requests, context)
+                if all(sum(lengths) != sum(other) for other in row):
+                    row.append(lengths)
+            rows.append(row)
+        return rows
+
+    def _host_attention_table(self, request_points: list[int], context_points: list[int],
+                              progress) -> tuple[list[list[int]], list[list[float]]]:
+        """(tokens, seconds) rows of the host-attention table, one row per request count.
+
+        The points are measured in rounds, each round visiting every point once: the first
+        round warms each shape up, and a point's time is the median of the later rounds. Spread
+        over the whole host phase instead of back to back, a point's samples do not all fall
+        into one spell in which something else holds the host's cores or memory bandwidth (a
+        table is cached and steers every later start, so one such spell would steer them all).
+        Each visit reads K/V that the other points' visits have since pushed out of the
+        caches, as serving does."""
+        rows = self._host_points(request_points, context_points)
+        points = [lengths for row in rows for lengths in row]
+        samples: list[list[float]] = [[] for _ in points]
+        for round_index in range(self.repeats + 1):
+            for lengths, point_samples in zip(points, samples):
+                seconds = self._host_attention(lengths)
+                if round_index:
+                    point_samples.append(seconds)
+                progress.update(1)
+        medians = iter([statistics.median(point_samples) for point_samples in samples])
+        return ([[sum(lengths) for lengths in row] for row in rows],
+                [[next(medians) for _ in row] for row in rows])
+
     def _host_attention(self, lengths: list[int]) -> float:
         """Host time of one iteration in which requests of ``lengths`` decode on the host."""
         requests = self.allocate_requests(KVLocation.HOST, lengths)
         plan = SchedulerOutput(sub_batches=[SubBatch(host_decodes=requests)], stage_order=SEQUENTIAL)
         try:
-            samples = [self.runner.execute(plan).host_seconds for _ in range(self.repeats + 1)]
-            return statistics.median(samples[1:])
+            return self.runner.execute(plan).host_seconds
         finally:
             self.free_requests(requests)
 
