@@ -7,7 +7,7 @@ cache, and its bytes per second then exceed what DRAM delivers. The benchmarks t
 working set of ``--kv-working-set-gib`` GiB (at least four times the last-level cache and 1 GiB)
 and read a different slice of it on each call, so that a slice has been evicted by the others
 before it is read again. The probe the figures are ratios to, a float32 ``torch.sum``, reads a
-buffer of the same size in the same rotation.
+buffer of the same size in the same rotation, timed right after each kernel it judges.
 
 A benchmark records a row with ``benchmark_summary.add(...)``; the rows are printed, grouped by
 where the data came from, thread count and shape, after pytest-benchmark's own tables. Run with
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from read_probe import PROBE_ROUNDS, PROBE_SLICES, measure_read_bandwidth
+from read_probe import PROBE_ROUNDS, PROBE_SLICES, ReadProbe
 
 GIB = 1 << 30
 # The working set: this many GiB unless --kv-working-set-gib says otherwise, and never less than
@@ -145,6 +145,7 @@ class SummaryRow:
     dtype: str
     milliseconds: float
     gigabytes_per_second: float
+    probe_gigabytes_per_second: float
     percent_of_probe: float
 
 
@@ -152,32 +153,29 @@ class SummaryRow:
 class BenchmarkSummary:
     """Rows collected during the session, printed by ``pytest_terminal_summary``.
 
-    ``probe_gigabytes_per_second[threads]`` is the DRAM read probe at that thread count, measured
-    when first needed; every row's percentage is relative to the probe at its own thread
-    count.
+    The host's read bandwidth can drift while a session runs (other work on the machine, the
+    memory's own state), so a probe measured once would let a kernel's share of it drift as
+    much. Each row is therefore a ratio to the probe timed right after
+    that row's kernel, at the same thread count, on one rotated buffer of the working set's
+    size (``probe``) kept for the session.
     """
 
     working_set_bytes: int
-    probe_gigabytes_per_second: dict[int, float] = field(default_factory=dict)
+    probe: ReadProbe
     rows: list[SummaryRow] = field(default_factory=list)
-
-    def probe(self, threads: int) -> float:
-        if threads not in self.probe_gigabytes_per_second:
-            self.probe_gigabytes_per_second[threads] = measure_read_bandwidth(
-                self.working_set_bytes, threads)
-        return self.probe_gigabytes_per_second[threads]
 
     def add(self, source: str, implementation: str, shape: str, dtype: torch.dtype,
             seconds: float, nbytes: int) -> dict:
         """Record one measurement on ``torch.get_num_threads()`` threads, of ``nbytes`` read
-        from ``source`` (DRAM or IN_CACHE); returns its figures for ``benchmark.extra_info``."""
+        from ``source`` (DRAM or IN_CACHE), and time the probe beside it; returns its figures
+        for ``benchmark.extra_info``."""
         threads = torch.get_num_threads()
-        probe = self.probe(threads)
+        probe = self.probe.read_bandwidth()
         gigabytes_per_second = nbytes / seconds / 1e9
         percent = 100 * gigabytes_per_second / probe
         self.rows.append(SummaryRow(source, threads, implementation, shape,
                                     str(dtype).removeprefix("torch."), seconds * 1e3,
-                                    gigabytes_per_second, percent))
+                                    gigabytes_per_second, probe, percent))
         return {"source": source, "gb_per_s": round(gigabytes_per_second, 2),
                 "probe_gb_per_s": round(probe, 2), "percent_of_probe": round(percent, 1)}
 
@@ -187,12 +185,15 @@ SUMMARY_KEY = pytest.StashKey[BenchmarkSummary]()
 
 @pytest.fixture(scope="session")
 def benchmark_summary(request, working_set_bytes) -> BenchmarkSummary:
-    """The session's summary, with the probe measured at every thread count of THREAD_COUNTS
-    (first, while no other working set is allocated)."""
-    summary = request.config.stash.setdefault(SUMMARY_KEY, BenchmarkSummary(working_set_bytes))
-    require_memory(working_set_bytes, "the read probe's rotated buffer")
-    for threads in THREAD_COUNTS:
-        summary.probe(threads)
+    """The session's summary and its probe buffer (allocated before any K/V working set, which
+    must fit beside it), read once through to warm it."""
+    summary = request.config.stash.get(SUMMARY_KEY, None)
+    if summary is None:
+        require_memory(working_set_bytes, "the read probe's rotated buffer")
+        probe = ReadProbe.allocate(working_set_bytes)
+        for _ in range(PROBE_SLICES):
+            probe.read_next()
+        summary = request.config.stash[SUMMARY_KEY] = BenchmarkSummary(working_set_bytes, probe)
     return summary
 
 
@@ -214,12 +215,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
           f"{'unknown' if cache is None else f'{cache / (1 << 20):.0f} MiB'}; "
           f"torch {torch.__version__}")
     write(f"working set {summary.working_set_bytes / GIB:.1f} GiB, a different slice each call. "
-          f"Read probe (float32 torch.sum, a different 1/{PROBE_SLICES} of a "
+          f"Read probe: float32 torch.sum, a different 1/{PROBE_SLICES} of a "
           f"{summary.working_set_bytes / GIB:.1f} GiB buffer each call, fastest of "
-          f"{PROBE_ROUNDS * PROBE_SLICES}): "
-          + ", ".join(f"{gigabytes:.1f} GB/s on {threads} threads" for threads, gigabytes
-                      in sorted(summary.probe_gigabytes_per_second.items(), reverse=True)))
-    write("% probe: the kernel's K/V bytes per second over the probe's at the same thread count")
+          f"{PROBE_ROUNDS * PROBE_SLICES}, timed right after each row's kernel on its threads")
+    write("% probe: the kernel's K/V bytes per second over that probe's")
     for source, title in ((DRAM, "from DRAM (rotated working set)"),
                           (IN_CACHE, "in cache (one small K/V set read on every call: partly "
                                      "served from the last-level cache, not a DRAM figure)")):
@@ -229,9 +228,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write("")
         write(title)
         write(f"{'threads':>7}  {'implementation':<20}{'shape':<11}{'dtype':<10}{'ms':>9}"
-              f"{'GB/s':>9}{'% probe':>9}")
+              f"{'GB/s':>9}{'probe':>9}{'% probe':>9}")
         for row in sorted(rows, key=lambda row: (-row.threads, shape_order(row.shape), row.dtype,
                                                  row.implementation)):
             write(f"{row.threads:>7}  {row.implementation:<20}{row.shape:<11}{row.dtype:<10}"
                   f"{row.milliseconds:>9.2f}{row.gigabytes_per_second:>9.1f}"
-                  f"{row.percent_of_probe:>8.0f}%")
+                  f"{row.probe_gigabytes_per_second:>9.1f}{row.percent_of_probe:>8.0f}%")

@@ -41,20 +41,26 @@ class ReadProbe:
         self.next_slice = (self.next_slice + 1) % PROBE_SLICES
         return total
 
+    def read_bandwidth(self) -> float:
+        """GB/s of the fastest of ``PROBE_ROUNDS`` rounds of slice sums on torch's current
+        thread count."""
+        best = float("inf")
+        for _ in range(PROBE_ROUNDS * PROBE_SLICES):
+            start = time.perf_counter()
+            self.read_next()
+            best = min(best, time.perf_counter() - start)
+        return self.slice_bytes / best / 1e9
+
 
 def measure_read_bandwidth(nbytes: int, threads: int) -> float:
-    """GB/s of the fastest slice sum of a rotated ``nbytes`` probe on ``threads`` threads."""
+    """GB/s of the fastest slice sum of a rotated ``nbytes`` probe on ``threads`` threads (after
+    one warm-up round)."""
     probe = ReadProbe.allocate(nbytes)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for _ in range(PROBE_SLICES):
             probe.read_next()
-        best = float("inf")
-        for _ in range(PROBE_ROUNDS * PROBE_SLICES):
-            start = time.perf_counter()
-            probe.read_next()
-            best = min(best, time.perf_counter() - start)
+        return probe.read_bandwidth()
     finally:
         torch.set_num_threads(previous_threads)
-    return probe.slice_bytes / best / 1e9
