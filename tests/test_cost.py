@@ -9,6 +9,7 @@ iteration times (``neo.sched.cost``).
   of the GPU and the host over many layers.
 """
 
+import pickle
 import random
 
 import pytest
@@ -125,3 +126,19 @@ def test_issuing_host_attention_before_the_gpu_attention_can_only_help():
 def test_cost_needs_the_orders_number_of_sub_batches():
     with pytest.raises(ValueError, match="runs 2 sub-batches, got stage times for 1"):
         iteration_seconds(ASYMMETRIC, [StageTimes(1.0, 0.0, 0.0)])
+
+
+def test_orders_that_share_a_name_are_costed_by_their_own_steps():
+    """An order hashes by its name and size alone (the cost function's caches look orders up
+    on every estimate); two orders of one name but different steps still get their own
+    costs, and an order survives pickling (to other ranks) as an equal key."""
+    first = StageOrder("shared", 2, ASYMMETRIC.layer_steps, "asymmetric's steps")
+    second = StageOrder("shared", 2, ASYMMETRIC_EARLY_HOST.layer_steps, "early host's steps")
+    assert hash(first) == hash(second) and first != second
+    times = [StageTimes(1.0, 0.2, 1.5), StageTimes(0.8, 0.0, 0.3)]
+    expected = [iteration_seconds(order, times) for order in (ASYMMETRIC, ASYMMETRIC_EARLY_HOST)]
+    assert expected[0] != pytest.approx(expected[1])
+    assert [iteration_seconds(order, times) for order in (first, second)] == pytest.approx(expected)
+    copy = pickle.loads(pickle.dumps(first))
+    assert copy == first and hash(copy) == hash(first)
+    assert iteration_seconds(copy, times) == pytest.approx(expected[0])

@@ -122,6 +122,12 @@ class StageOrder:
     def __post_init__(self):
         validate(self)
 
+    def __hash__(self) -> int:
+        """By name and size only: the cost function's caches look an order up on every estimate,
+        and the generated hash would walk every step and its enums each time. Orders that share
+        a name but differ in their steps still compare unequal."""
+        return hash((self.name, self.num_sub_batches))
+
     def steps(self, num_layers: int) -> tuple[Step, ...]:
         """The whole iteration's steps, in issue order, for a model of ``num_layers`` layers."""
         return _expanded(self, num_layers)
