@@ -155,9 +155,9 @@ class BenchmarkSummary:
 
     The host's read bandwidth can drift while a session runs (other work on the machine, the
     memory's own state), so a probe measured once would let a kernel's share of it drift as
-    much. Each row is therefore a ratio to the probe timed right after
-    that row's kernel, at the same thread count, on one rotated buffer of the working set's
-    size (``probe``) kept for the session.
+    much. Each row is therefore a ratio to the probe timed right after that row's kernel, at
+    the same thread count, on one rotated buffer of the working set's size (``probe``) kept
+    for the session.
     """
 
     working_set_bytes: int
