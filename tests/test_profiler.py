@@ -229,7 +229,7 @@ def test_host_attention_points_are_measured_in_rounds(tmp_path, monkeypatch):
 
         monkeypatch.setattr(profiler, "_host_attention", host_attention)
         progress = Progress()
-        tokens, seconds = profiler._host_attention_table(request_points, context_points, progress)
+        tokens, seconds = profiler._host_attention_table(rows, progress)
         assert visits == points * (profiler.repeats + 1)
         assert progress.steps == len(visits)
         assert tokens == [[256, 1023], [256, 2048, 4092]]

@@ -244,9 +244,9 @@ class Profiler:
         token_points, gpu_context_points = points["batched tokens"], points["GPU context"]
         prefill_points, request_points = points["prompt length"], points["host requests"]
         host_context_points, graph_points = points["host context"], points["graph batch"]
-        host_points = sum(len(row) for row in self._host_points(request_points, host_context_points))
+        host_rows = self._host_points(request_points, host_context_points)
         steps = (len(token_points) + len(gpu_context_points) + len(prefill_points)
-                 + (self.repeats + 1) * host_points + 3 + len(graph_points))
+                 + (self.repeats + 1) * sum(len(row) for row in host_rows) + 3 + len(graph_points))
         # One progress bar: the driver's (the other ranks measure the same points in lockstep).
         with tqdm(total=steps, desc="profiling stage times", unit="point",
                   disable=self.model.parallel.rank != 0) as progress:
@@ -264,7 +264,7 @@ class Profiler:
                 progress.update(1)
             table.host_attention_requests = list(request_points)
             table.host_attention_tokens, table.host_attention_seconds = self._host_attention_table(
-                request_points, host_context_points, progress)
+                host_rows, progress)
             model = PerfModel(table)
             table.iteration_overhead = self._iteration_overhead(model)
             progress.update(1)
@@ -402,9 +402,10 @@ class Profiler:
             rows.append(row)
         return rows
 
-    def _host_attention_table(self, request_points: list[int], context_points: list[int],
+    def _host_attention_table(self, rows: list[list[list[int]]],
                               progress) -> tuple[list[list[int]], list[list[float]]]:
-        """(tokens, seconds) rows of the host-attention table, one row per request count.
+        """(tokens, seconds) rows of the host-attention table for the points of ``rows``
+        (``_host_points``), one row per request count.
 
         The points are measured in rounds, each round visiting every point once: the first
         round warms each shape up, and a point's time is the median of the later rounds. Spread
@@ -413,7 +414,6 @@ class Profiler:
         table is cached and steers every later start, so one such spell would steer them all).
         Each visit reads K/V that the other points' visits have since pushed out of the
         caches, as serving does."""
-        rows = self._host_points(request_points, context_points)
         points = [lengths for row in rows for lengths in row]
         samples: list[list[float]] = [[] for _ in points]
         for round_index in range(self.repeats + 1):
