@@ -12,7 +12,7 @@ from neo.config import EngineConfig
 from neo.request import Request
 from neo.sampling_params import SamplingParams
 from neo.sched.block_manager import BlockManager
-from neo.sched.calibration import HostTimeCalibration
+from neo.sched.calibration import TimeCalibration
 from neo.sched.estimates import Estimates
 from neo.sched.graph_coverage import GraphCoverage
 from neo.sched.perf_model import PerfModel, PerfTable
@@ -51,7 +51,7 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
     manager = BlockManager(gpu_blocks, host_blocks, block_size)
     # The graphs a CUDA engine of these limits captures, as the simulator takes them.
     coverage = graph_coverage(config, cuda_graph_max_context) if graphs else GraphCoverage()
-    estimates = Estimates(perf_model or PerfModel.zero(), HostTimeCalibration(prior=host_prior), coverage, manager,
+    estimates = Estimates(perf_model or PerfModel.zero(), TimeCalibration(prior=host_prior), coverage, manager,
                           two_sub_batch_order(stage_order))
     return Scheduler(config, manager, make_placement(policy, host_pipeline, placement), estimates)
 

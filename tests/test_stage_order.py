@@ -12,7 +12,7 @@ from neo.request import KVLocation
 from neo.runner.batch_inputs import build_batch_inputs
 from neo.sched.scheduler_output import SubBatch
 from neo.sched.block_manager import BlockManager
-from neo.sched.calibration import HostTimeCalibration
+from neo.sched.calibration import HOST_TIME_PRIOR, TimeCalibration
 from neo.sched.cost import StageTimes, iteration_seconds
 from neo.sched.estimates import Estimates
 from neo.sched.graph_coverage import GraphCoverage
@@ -183,7 +183,7 @@ def test_a_host_batch_is_estimated_in_its_order_over_its_sub_batches(count):
     model = synthetic_model(1e-4, 1e-7, 1e-6)
     requests = requests_of(count, prompt_len=30, max_tokens=10)
     for name in ("host-batch", "host-batch-pair"):
-        estimates = Estimates(model, HostTimeCalibration(prior=1.5), GraphCoverage(), BlockManager(8, 64, 16),
+        estimates = Estimates(model, TimeCalibration(prior=1.5), GraphCoverage(), BlockManager(8, 64, 16),
                               ASYMMETRIC, STAGE_ORDERS[name])
         order, parts = host_batch_sub_batches(STAGE_ORDERS[name], count)
         times = [StageTimes(model.linear(len(requests[part])), 0.0,
@@ -212,13 +212,14 @@ def test_a_host_batchs_gpu_stages_cost_a_decode_graph_of_its_rows_where_it_repla
         _, parts = host_batch_sub_batches(order, count)
         rows = [part.stop - part.start for part in parts]
         for covered in (0, 16, 64):
-            estimates = Estimates(model, HostTimeCalibration(), GraphCoverage(host_batch_max_requests=covered),
+            estimates = Estimates(model, TimeCalibration(prior=HOST_TIME_PRIOR),
+                                  GraphCoverage(host_batch_max_requests=covered),
                                   BlockManager(8, 64, 16), ASYMMETRIC, order)
             expected = sum(model.graph_decode(size, 0) if size <= covered else model.linear(size) for size in rows)
             assert estimates.host_batch_gpu_time(count) == pytest.approx(expected)
             if covered == 64 and count <= 64:  # every sub-batch replays: a decode graph's time, below linear's
                 assert estimates.host_batch_gpu_time(count) < sum(model.linear(size) for size in rows)
-    estimates = Estimates(model, HostTimeCalibration(), GraphCoverage(host_batch_max_requests=512),
+    estimates = Estimates(model, TimeCalibration(prior=HOST_TIME_PRIOR), GraphCoverage(host_batch_max_requests=512),
                           BlockManager(8, 64, 16), ASYMMETRIC, STAGE_ORDERS["host-batch"])
     assert estimates.host_batch_gpu_time(100) == pytest.approx(model.linear(100))  # past the table's points
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from neo.request import KVLocation, Request, RequestStatus
 from neo.sampling_params import SamplingParams
-from neo.sched.calibration import HostTimeCalibration
+from neo.sched.calibration import TimeCalibration
 from neo.sched.cost import StageTimes
 from neo.sched.perf_model import PerfModel
 from neo.sched.scheduler_output import SchedulerOutput, SubBatch
@@ -152,7 +152,7 @@ def test_fast_host_plans_pay_and_keep_host_attention_mostly_hidden():
 
 
 def test_host_calibration_is_the_measured_over_profiled_ratio_of_recent_iterations():
-    calibration = HostTimeCalibration(prior=0.5, window=3, bounds=(0.25, 4.0))
+    calibration = TimeCalibration(prior=0.5, window=3, bounds=(0.25, 4.0))
     assert calibration.scale == 0.5 and calibration.num_samples == 0
     calibration.observe(0.0, 1.0)  # no estimate: nothing learned
     calibration.observe(1.0, 0.0)
@@ -168,7 +168,7 @@ def test_host_calibration_is_the_measured_over_profiled_ratio_of_recent_iteratio
     calibration.observe(1.0, 100.0)
     assert calibration.scale == 4.0  # bounded
     with pytest.raises(ValueError, match="prior"):
-        HostTimeCalibration(prior=10.0)
+        TimeCalibration(prior=10.0)
 
 
 @pytest.mark.parametrize("measured_over_profiled, admits_after_measuring", [(1.0, False), (0.3, True)])

@@ -26,7 +26,7 @@ from neo.runner.pipeline_graphs import PipelineGraphs
 from neo.runner.rank_plan import PlanChannel
 from neo.runner.profiler import Profiler, ProfileLimits, load_perf_model
 from neo.sched.block_manager import BlockManager
-from neo.sched.calibration import HostTimeCalibration
+from neo.sched.calibration import HOST_TIME_PRIOR, TimeCalibration
 from neo.sched.estimates import Estimates
 from neo.sched.perf_model import PerfModel
 from neo.sched.placement import make_placement
@@ -227,8 +227,8 @@ def build(config: EngineConfig, parallel: TensorParallel | None = None,
         if parallel.rank == 0:  # the scheduler's; the other ranks profile when the driver does
             with startup.phase("perf model"):
                 perf_model = load_perf_model(config.perf_model, profiler)
-    estimates = Estimates(perf_model, HostTimeCalibration(), runner.graph_coverage, block_manager, stage_order,
-                          batch_order)
+    estimates = Estimates(perf_model, TimeCalibration(prior=HOST_TIME_PRIOR), runner.graph_coverage, block_manager,
+                          stage_order, batch_order)
     scheduler = Scheduler(config, block_manager, placement, estimates,
                           finish_reason=StopRule(eos_token_ids, tokenizer, max_model_len))
     logger.info("neo engine: %s on %s (%s), policy %s, GPU pool %d blocks (%.2f GiB), host pool %d blocks "

@@ -1,6 +1,6 @@
 """Corrections the scheduler learns from what the engine measures while it serves.
 
-- ``HostTimeCalibration``: a factor on the profiled host-attention time.
+- ``TimeCalibration``: a factor on an estimated time (host attention).
 - ``HostBatchInterference``: how much slower the GPU's iterations run beside a host batch.
 
 How far the measured times stray from the profile on the GPU machine is in RESULTS.md.
@@ -10,46 +10,47 @@ import statistics
 from collections import deque
 
 
-class HostTimeCalibration:
-    """A factor on the profiled host-attention time, learned from the engine's iterations.
+# Before its first measurement the host-attention factor is below 1 (optimistic), so that a
+# scheduler that would never offload on the profile alone tries host decodes where they would pay
+# at that speed, measures them, and then follows the measurement. A lower prior explores more, and
+# too low a prior admits requests to the host pool that then go back to the GPU undecoded.
+HOST_TIME_PRIOR = 0.67
 
-    The profile times host attention in isolated iterations; in the engine's pipelined ones the
-    same work often runs faster (the CPU's threads stay busy from layer to layer there), and the
-    ratio moves with the load. The factor is the measured over the profiled host time of the
-    last ``window`` iterations with host decodes (sums, so long iterations weigh more), within
-    ``bounds``.
 
-    Before the first measurement it is ``prior`` (below 1: optimistic), so that a scheduler that
-    would never offload on the profile alone tries host decodes where they would pay at that
-    speed, measures them, and then follows the measurement. A lower prior explores more, and
-    too low a prior admits requests to the host pool that then go back to the GPU undecoded.
+class TimeCalibration:
+    """A factor on an estimated time, learned from the times the engine measures: the measured
+    over the estimated seconds of the last ``window`` samples (sums, so long samples weigh more),
+    within ``bounds``; ``prior`` before the first sample. ``Estimates`` keeps one for host
+    attention: the profile times host attention in isolated iterations; in the engine's
+    pipelined ones the same work often runs faster (the CPU's threads stay busy from layer to
+    layer there), and the ratio moves with the load. Prior ``HOST_TIME_PRIOR``.
     """
 
-    def __init__(self, prior: float = 0.67, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
+    def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
         if not bounds[0] <= prior <= bounds[1]:
             raise ValueError(f"prior {prior} is outside the bounds {bounds}")
         self.bounds = bounds
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profiled, measured)
-        # Read for every host estimate the scheduler makes: kept up to date in ``observe``.
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (estimated, measured)
+        # Read for every estimate the scheduler makes: kept up to date in ``observe``.
         self.scale = prior
 
     @property
     def samples(self) -> list[tuple[float, float]]:
-        """The (profiled, measured) seconds of the iterations in the window, oldest first."""
+        """The (estimated, measured) seconds of the samples in the window, oldest first."""
         return list(self._samples)
 
     @property
     def num_samples(self) -> int:
         return len(self._samples)
 
-    def observe(self, profiled_seconds: float, measured_seconds: float) -> None:
-        """One iteration's host attention: the profile's uncorrected estimate and the measured
-        time (ignored unless both are positive)."""
-        if profiled_seconds > 0 and measured_seconds > 0:
-            self._samples.append((profiled_seconds, measured_seconds))
-            profiled = sum(sample[0] for sample in self._samples)
+    def observe(self, estimated_seconds: float, measured_seconds: float) -> None:
+        """One sample: the uncorrected estimate and the measured time (ignored unless both are
+        positive)."""
+        if estimated_seconds > 0 and measured_seconds > 0:
+            self._samples.append((estimated_seconds, measured_seconds))
+            estimated = sum(sample[0] for sample in self._samples)
             measured = sum(sample[1] for sample in self._samples)
-            self.scale = min(max(measured / profiled, self.bounds[0]), self.bounds[1])
+            self.scale = min(max(measured / estimated, self.bounds[0]), self.bounds[1])
 
 
 class HostBatchInterference:

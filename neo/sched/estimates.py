@@ -9,7 +9,7 @@ from neo.request import KVLocation, Request
 
 from .arrivals import ArrivingWork
 from .block_manager import BlockManager
-from .calibration import HostTimeCalibration
+from .calibration import TimeCalibration
 from .cost import StageTimes
 from .graph_coverage import GraphCoverage, widest_gpu_table
 from .perf_model import PerfModel
@@ -51,7 +51,7 @@ class Estimates:
     """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs,
     ``host_batch_order`` the async host pipeline's batches'."""
 
-    def __init__(self, perf_model: PerfModel, host_calibration: HostTimeCalibration, coverage: GraphCoverage,
+    def __init__(self, perf_model: PerfModel, host_calibration: TimeCalibration, coverage: GraphCoverage,
                  block_manager: BlockManager, two_sub_batch_order: StageOrder,
                  host_batch_order: StageOrder = HOST_BATCH):
         self.perf_model = perf_model

@@ -13,7 +13,7 @@ from neo.kv.kv_cache import GIB, CacheLayout
 from neo.models.config import ModelConfig
 from neo.runner.decode_graphs import graph_block_width
 from neo.sched.block_manager import BlockManager
-from neo.sched.calibration import HostTimeCalibration
+from neo.sched.calibration import HOST_TIME_PRIOR, TimeCalibration
 from neo.sched.estimates import Estimates
 from neo.sched.graph_coverage import GraphCoverage
 from neo.sched.perf_model import PerfModel, PerfTable
@@ -121,7 +121,7 @@ def build_parts(config: EngineConfig, model: ModelConfig, hardware: Hardware, ta
         placement, planning_model = GpuOnly(), PerfModel.zero()
     else:
         placement, planning_model = make_placement(config.policy, config.host_pipeline, config.placement), perf_model
-    estimates = Estimates(planning_model, HostTimeCalibration(), coverage, manager, order, batch_order)
+    estimates = Estimates(planning_model, TimeCalibration(prior=HOST_TIME_PRIOR), coverage, manager, order, batch_order)
     scheduler = Scheduler(config, manager, placement, estimates)
-    timing = Estimates(perf_model, HostTimeCalibration(prior=1.0), coverage, manager, order, batch_order)
+    timing = Estimates(perf_model, TimeCalibration(), coverage, manager, order, batch_order)
     return SchedulingParts(scheduler, manager, layout, timing, perf_model, host_decodes)
