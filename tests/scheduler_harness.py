@@ -57,13 +57,16 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
 
 
 def execute(scheduler: Scheduler, plan: SchedulerOutput, seconds: float = 0.01, host_seconds: float = 0.0,
-            host_batch: list[Request] | None = None, host_batch_seconds: float | None = 0.001) -> list[Request]:
+            host_batch: list[Request] | None = None, host_batch_seconds: float | None = 0.001,
+            host_batch_elapsed: float = 0.0) -> list[Request]:
     """The runner's stand-in: a token for each of the plan's requests (and of ``host_batch``'s,
-    a host batch completing now with ``host_batch_seconds`` of host time) through ``update``."""
+    a host batch completing now with ``host_batch_seconds`` of host time in
+    ``host_batch_elapsed`` seconds; None and 0: not measured) through ``update``."""
     output = IterationOutput([TOKEN] * len(plan.requests), seconds, host_seconds) if plan.sub_batches else None
     completed = None
     if host_batch is not None:
-        completed = HostBatchOutput(host_batch, [TOKEN] * len(host_batch), 0.0, host_batch_seconds, False, 0.0)
+        completed = HostBatchOutput(host_batch, [TOKEN] * len(host_batch), host_batch_elapsed,
+                                    host_batch_seconds or 0.0, False, 0.0)
     return scheduler.update(plan, output, completed)
 
 

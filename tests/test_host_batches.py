@@ -351,6 +351,57 @@ def test_the_measured_host_time_of_each_batch_calibrates_the_host_estimates():
     assert scheduler.estimates.host_calibration.scale == pytest.approx(3.0)
 
 
+
+def test_the_measured_rest_of_each_batch_calibrates_the_rest_of_later_batches():
+    """A batch's seconds beside its host attention (its GPU stages, hand-offs) took twice their
+    estimate: the next batch is estimated with its rest doubled, and the economics are judged
+    again on the change. A batch that ran beside a prefill (launched right after one, or with
+    one planned while it was in flight) is no sample: its GPU stages waited behind the prefill."""
+    scheduler = make_scheduler("full-offload", gpu_blocks=0, host_blocks=100,
+                               perf_model=synthetic_model(1e-5, 1e-8, 1e-5))
+    calibration = scheduler.estimates.host_batch_rest_calibration
+    requests = requests_of(4, prompt_len=20, max_tokens=10)
+    for request in requests:
+        scheduler.add(request)
+    execute(scheduler, scheduler.schedule())  # prefills
+
+    def run_batch(rest_factor: float) -> tuple[float, float]:
+        """Launch the next batch and complete it with its rest ``rest_factor`` times the
+        uncorrected estimate; returns its predicted (host, rest) seconds."""
+        plan = scheduler.schedule()
+        assert plan.host_batch is not None
+        host = plan.host_batch_predicted_host_time
+        rest = plan.host_batch_predicted_time - host
+        uncorrected = scheduler.placement.in_flight.uncorrected_rest_time
+        assert uncorrected == pytest.approx(rest / calibration.scale)
+        execute(scheduler, SchedulerOutput(), host_batch=plan.host_batch.host_decodes, host_batch_seconds=host,
+                host_batch_elapsed=host + rest_factor * uncorrected)
+        return host, rest
+
+    _, rest = run_batch(10.0)  # launched right after the prefills: ignored
+    assert rest > 0 and calibration.num_samples == 0 and calibration.scale == 1.0
+    corrections = scheduler.placement.measured_corrections(scheduler)
+    run_batch(2.0)
+    assert calibration.scale == pytest.approx(2.0)
+    assert scheduler.estimates.host_calibration.scale == pytest.approx(1.0)
+    assert scheduler.placement.measured_corrections(scheduler) != corrections
+    # One token more of context per request: the host time grows a little, the rest not at all.
+    _, doubled = run_batch(4.0)
+    assert doubled == pytest.approx(2 * rest)
+    assert calibration.scale == pytest.approx(3.0)  # (2 + 4) / (1 + 1)
+
+    plan = scheduler.schedule()
+    assert scheduler.placement.in_flight is not None and not scheduler.placement.in_flight.beside_prefill
+    late = requests_of(1, prompt_len=20, max_tokens=10)[0]
+    scheduler.add(late)
+    execute(scheduler, plan)
+    beside = scheduler.schedule()
+    assert beside.sub_batches[0].prefills == [late] and scheduler.placement.in_flight.beside_prefill
+    execute(scheduler, beside, host_batch=plan.host_batch.host_decodes, host_batch_seconds=1e-3,
+            host_batch_elapsed=1.0)
+    assert calibration.scale == pytest.approx(3.0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
        gpu_blocks=st.integers(4, 40), host_blocks=st.integers(8, 80),

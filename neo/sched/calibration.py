@@ -1,6 +1,6 @@
 """Corrections the scheduler learns from what the engine measures while it serves.
 
-- ``TimeCalibration``: a factor on an estimated time (host attention).
+- ``TimeCalibration``: a factor on an estimated time (host attention, the rest of a host batch).
 - ``HostBatchInterference``: how much slower the GPU's iterations run beside a host batch.
 
 How far the measured times stray from the profile on the GPU machine is in RESULTS.md.
@@ -20,10 +20,16 @@ HOST_TIME_PRIOR = 0.67
 class TimeCalibration:
     """A factor on an estimated time, learned from the times the engine measures: the measured
     over the estimated seconds of the last ``window`` samples (sums, so long samples weigh more),
-    within ``bounds``; ``prior`` before the first sample. ``Estimates`` keeps one for host
-    attention: the profile times host attention in isolated iterations; in the engine's
-    pipelined ones the same work often runs faster (the CPU's threads stay busy from layer to
-    layer there), and the ratio moves with the load. Prior ``HOST_TIME_PRIOR``.
+    within ``bounds``; ``prior`` before the first sample. ``Estimates`` keeps two:
+
+    - **host attention**: the profile times host attention in isolated iterations; in the
+      engine's pipelined ones the same work often runs faster (the CPU's threads stay busy from
+      layer to layer there), and the ratio moves with the load. Prior ``HOST_TIME_PRIOR``.
+    - **the rest of a host batch** (async host pipeline): its seconds less its host attention,
+      i.e. its GPU stages and the hand-offs between them and the host. On a stream of its own
+      its stages share the GPU with the iterations' kernels, so the rest takes longer than its
+      stages' profiled times add up to, by a ratio that depends on what the GPU runs beside it
+      (``HostBatches`` takes no sample from a batch that ran beside a prefill). Prior 1.
     """
 
     def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):

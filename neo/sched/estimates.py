@@ -1,6 +1,7 @@
 """``Estimates``: the seconds of the sub-batches and iterations a scheduler weighs, from the
-``PerfModel``'s stage times, the host-time correction measured while serving, the runner's
-``GraphCoverage`` and the cost function of the plan's ``StageOrder``. Whole-model seconds."""
+``PerfModel``'s stage times, the corrections measured while serving (``TimeCalibration``), the
+runner's ``GraphCoverage`` and the cost function of the plan's ``StageOrder``. Whole-model
+seconds."""
 
 import math
 from dataclasses import dataclass
@@ -49,13 +50,17 @@ class SteadyGpuBatch:
 
 class Estimates:
     """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs,
-    ``host_batch_order`` the async host pipeline's batches'."""
+    ``host_batch_order`` the async host pipeline's batches'. ``host_calibration`` corrects host
+    attention, ``host_batch_rest_calibration`` the rest of a host batch (``TimeCalibration``;
+    None: one with prior 1)."""
 
     def __init__(self, perf_model: PerfModel, host_calibration: TimeCalibration, coverage: GraphCoverage,
                  block_manager: BlockManager, two_sub_batch_order: StageOrder,
-                 host_batch_order: StageOrder = HOST_BATCH):
+                 host_batch_order: StageOrder = HOST_BATCH,
+                 host_batch_rest_calibration: TimeCalibration | None = None):
         self.perf_model = perf_model
         self.host_calibration = host_calibration
+        self.host_batch_rest_calibration = host_batch_rest_calibration or TimeCalibration()
         self.coverage = coverage
         self.block_manager = block_manager
         self.two_sub_batch_order = two_sub_batch_order
@@ -68,10 +73,15 @@ class Estimates:
     def host_batch_time(self, requests: list[Request]) -> tuple[float, float]:
         """(seconds of a host batch of ``requests`` until its tokens, of which host attention):
         the cost function of the host-batch order over the sub-batches the runner splits the
-        batch into (``host_batch_sub_batches``)."""
+        batch into (``host_batch_sub_batches``), its host attention and its rest (the seconds
+        beside that) each corrected by its calibration."""
         order, parts = host_batch_sub_batches(self.host_batch_order, len(requests))
         sub_batches = [(len(requests[part]), sum(r.num_tokens for r in requests[part])) for part in parts]
-        return self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)
+        return self._corrected_host_batch(order, sub_batches)
+
+    def _corrected_host_batch(self, order: StageOrder, sub_batches: list[tuple[int, int]]) -> tuple[float, float]:
+        seconds, host = self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)
+        return host + (seconds - host) * self.host_batch_rest_calibration.scale, host
 
     def host_batch_gpu_time(self, num_requests: int) -> float:
         """Seconds of the GPU stages of a host batch of that many decodes: each of its
@@ -96,7 +106,7 @@ class Estimates:
         order, parts = host_batch_sub_batches(self.host_batch_order, num_requests)
         sub_batches = [(part.stop - part.start, context_tokens * (part.stop - part.start) // max(1, num_requests))
                        for part in parts]
-        return self.perf_model.host_batch_time(order, sub_batches, self.host_calibration.scale)[0]
+        return self._corrected_host_batch(order, sub_batches)[0]
 
     def host_time(self, batch: SubBatch) -> float:
         return self.host_attention(len(batch.host_decodes), sum(r.num_tokens for r in batch.host_decodes))

@@ -402,7 +402,7 @@ class Scheduler:
             self.placement.observe(self, plan, output)
             decoded += self._append(list(zip(plan.requests, output.tokens)))
         if host_batch is not None:
-            requests = self.placement.host_batch_done(self, host_batch.host_seconds)
+            requests = self.placement.host_batch_done(self, host_batch)
             tokens = dict(zip(map(id, host_batch.requests), host_batch.tokens))
             decoded += self._append([(request, tokens[id(request)]) for request in requests])
         return decoded

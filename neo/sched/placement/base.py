@@ -2,7 +2,7 @@
 
 from neo.request import KVLocation, Request
 
-from ..runner_output import IterationOutput
+from ..runner_output import HostBatchOutput, IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 
 
@@ -73,7 +73,7 @@ class Placement:
         """Whether an abort of ``request`` must leave its blocks until its host batch is done."""
         return False
 
-    def host_batch_done(self, scheduler, host_seconds: float | None) -> list[Request]:
-        """The host batch in flight completed (``host_seconds`` None: it failed); returns the
+    def host_batch_done(self, scheduler, output: HostBatchOutput | None) -> list[Request]:
+        """The host batch in flight completed (``output`` None: it failed); returns the
         requests whose tokens the caller appends."""
         raise RuntimeError("this placement launches no host batches")

@@ -40,8 +40,12 @@ engine's preempted requests do.
 
 A host batch is estimated by the cost function of its order over the sub-batches the runner
 splits it into (``host-batch``: ``linear(n)`` + host attention; ``host-batch-pair``: the
-asymmetric overlap of the halves; each plus the profiled ``host_batch_overhead``), host
-attention corrected online by the host time each completed batch measured. An iteration that
+asymmetric overlap of the halves; each plus the profiled ``host_batch_overhead``), its host
+attention and the rest of its time (its GPU stages and hand-offs) each corrected online by what
+the completed batches measured of it (``TimeCalibration``; the rest only from batches that ran
+beside no prefill: the first batches, beside a burst of prefills, take several times their
+estimate, and a correction learned from them alone would close the host pool for good, since
+no later batch would measure it again). An iteration that
 runs while a batch is in flight is estimated as its time alone times the measured slowdown
 (before it is measured, grown by the batch's GPU stages' share of the batch's time).
 """
@@ -52,7 +56,7 @@ from neo.request import Request
 
 from ..calibration import HostBatchInterference
 from ..estimates import remaining_output
-from ..runner_output import IterationOutput
+from ..runner_output import HostBatchOutput, IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 from ..stage_order import SEQUENTIAL
 from .base import Placement
@@ -68,6 +72,10 @@ class InFlightHostBatch:
     predicted_time: float  # its estimated seconds until its tokens
     predicted_host_time: float  # of which host attention
     profiled_host_time: float  # the same from the profile alone (uncalibrated)
+    uncorrected_rest_time: float  # its seconds beside host attention, before the rest's calibration
+    # Whether a prefill ran beside it: its GPU stages then wait behind the prefill's kernels,
+    # which its estimate leaves out, so its rest is no sample for the rest's calibration.
+    beside_prefill: bool = False
     aborted: list[Request] = field(default_factory=list)  # their blocks are freed once it is done
 
     def __post_init__(self):
@@ -79,6 +87,9 @@ class HostBatches(Placement):
         super().__init__(full_offload)
         self.in_flight: InFlightHostBatch | None = None
         self.interference = HostBatchInterference()
+        # Whether the plan before prefilled: under async scheduling a batch launched now runs
+        # beside it.
+        self._previous_plan_prefilled = False
 
     # -- requests in flight --------------------------------------------------------------------
 
@@ -101,12 +112,16 @@ class HostBatches(Placement):
         self.in_flight.aborted.append(request)  # the host batch still reads and writes its blocks
         return True
 
-    def host_batch_done(self, scheduler, host_seconds: float | None) -> list[Request]:
+    def host_batch_done(self, scheduler, output: HostBatchOutput | None) -> list[Request]:
         flight, self.in_flight = self.in_flight, None
         for request in flight.aborted:
             scheduler.block_manager.free(request)
-        if host_seconds is not None:
-            scheduler.estimates.host_calibration.observe(flight.profiled_host_time, host_seconds)
+        if output is not None:
+            estimates = scheduler.estimates
+            estimates.host_calibration.observe(flight.profiled_host_time, output.host_seconds)
+            if not flight.beside_prefill:
+                estimates.host_batch_rest_calibration.observe(flight.uncorrected_rest_time,
+                                                              output.seconds - output.host_seconds)
         return [r for r in flight.requests if not r.is_finished]
 
     def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
@@ -115,7 +130,8 @@ class HostBatches(Placement):
             self.interference.observe(plan.interference_sample, output.seconds, plan.beside_host_batch)
 
     def measured_corrections(self, scheduler) -> tuple:
-        return scheduler.estimates.host_calibration.scale, self.interference.factor
+        estimates = scheduler.estimates
+        return estimates.host_calibration.scale, estimates.host_batch_rest_calibration.scale, self.interference.factor
 
     # -- host decodes --------------------------------------------------------------------------
 
@@ -126,6 +142,9 @@ class HostBatches(Placement):
             plan.stage_order = SEQUENTIAL
         plan.predicted_host_time = plan.profiled_host_time = 0.0
         self._launch_host_batch(scheduler, batch0, host_requests, plan)
+        if self.in_flight is not None and batch0.prefills:
+            self.in_flight.beside_prefill = True
+        self._previous_plan_prefilled = bool(batch0.prefills)
         alone = estimates.sequential_time(batch0) if batch0 else 0.0
         slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight is not None:
@@ -151,7 +170,9 @@ class HostBatches(Placement):
         plan.host_batch_predicted_time = seconds
         plan.host_batch_predicted_host_time = host
         plan.host_batch_profiled_host_time = host / estimates.host_calibration.scale
-        self.in_flight = InFlightHostBatch(list(requests), seconds, host, plan.host_batch_profiled_host_time)
+        rest = (seconds - host) / estimates.host_batch_rest_calibration.scale
+        self.in_flight = InFlightHostBatch(list(requests), seconds, host, plan.host_batch_profiled_host_time, rest,
+                                           beside_prefill=self._previous_plan_prefilled)
         for request in requests:
             request.last_scheduled_iteration = scheduler.iteration
         scheduler.count_host_wait(False)

@@ -27,7 +27,7 @@ host batch and a sub-batch at once.
 
 from neo.request import Request
 
-from ..runner_output import IterationOutput
+from ..runner_output import HostBatchOutput, IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 from .base import Placement
 from .host_batches import EPSILON, HostBatches, InFlightHostBatch
@@ -61,8 +61,8 @@ class PipelineChoice(Placement):
     def defer_abort(self, request: Request) -> bool:
         return self.asynchronous.defer_abort(request)
 
-    def host_batch_done(self, scheduler, host_seconds: float | None) -> list[Request]:
-        return self.asynchronous.host_batch_done(scheduler, host_seconds)
+    def host_batch_done(self, scheduler, output: HostBatchOutput | None) -> list[Request]:
+        return self.asynchronous.host_batch_done(scheduler, output)
 
     def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
         self._planned_by.observe(scheduler, plan, output)
