@@ -92,6 +92,16 @@ def trace_statistics(trace: list[dict]) -> dict:
     records = [r for r in trace if not r["host_batch"]]
     host_batches = [r for r in trace if r["host_batch"]]
     errors = prediction_errors(records)
+    # A host batch's prediction split: its host time, and the rest of it (GPU stages, hand-offs),
+    # each measured over predicted; the rest of the batches that ran beside no prefill only, as
+    # the scheduler's calibration takes it.
+    batch_host_ratios = [r["host_busy_seconds"] / r["predicted_host_seconds"] for r in host_batches
+                         if r["predicted_host_seconds"] and r["host_busy_seconds"] > 0]
+    batch_rest_ratios = [(r["measured_seconds"] - r["host_busy_seconds"])
+                         / (r["predicted_seconds"] - r["predicted_host_seconds"])
+                         for r in host_batches if not r.get("host_batch_beside_prefill")
+                         and r["predicted_seconds"] and r["predicted_host_seconds"] is not None
+                         and r["predicted_seconds"] > r["predicted_host_seconds"]]
     two = [r for r in records if r["num_sub_batches"] == 2 and r["gpu_busy_seconds"] is not None]
     one = [r for r in records if r["num_sub_batches"] == 1 and r["gpu_busy_seconds"] is not None]
 
@@ -142,6 +152,9 @@ def trace_statistics(trace: list[dict]) -> dict:
         "hidden_host_attention_share": (max(0.0, 1 - gpu_idle_two / host_busy) if host_busy else None),
         "host_batches": len(host_batches),
         "host_batch_median_relative_prediction_error": median(prediction_errors(host_batches)),
+        "host_batch_median_host_measured_over_predicted": median(batch_host_ratios),
+        "host_batch_median_rest_measured_over_predicted": median(batch_rest_ratios),
+        "host_batches_beside_prefill": sum(bool(r.get("host_batch_beside_prefill")) for r in host_batches),
         "host_batch_hidden_share": max(0.0, 1 - batch_waits / batch_host_busy) if batch_host_busy else None,
         "median_host_batch_s": median([r["measured_seconds"] for r in host_batches]),
         "median_host_batch_requests": median([r["host_decodes"] for r in host_batches]),
@@ -387,6 +400,15 @@ def main() -> None:
                   f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s, "
                   f"attending {100 * side['host_attending_share']:.0f}% of the time"
                   + (f" at {side['host_kv_read_gbps_attending']:.1f} GB/s" if side["host_kv_read_gbps_attending"] else ""))
+        print("host batches' estimates, median measured over predicted: their host time, and the rest of them "
+              "(GPU stages, hand-offs) in the batches beside no prefill")
+        for run in host_runs:
+            trace = run["trace"]
+            host, rest = (trace["host_batch_median_host_measured_over_predicted"],
+                          trace["host_batch_median_rest_measured_over_predicted"])
+            print(f"{run['workload']:<34} {run['policy']:<25} {run['threads'] or '-':>4} "
+                  f"host {'-' if host is None else f'{host:.3f}'}, rest {'-' if rest is None else f'{rest:.2f}'} "
+                  f"({trace['host_batches'] - trace['host_batches_beside_prefill']} of {trace['host_batches']} batches)")
     print(f"written {path}")
 
 

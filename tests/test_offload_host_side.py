@@ -11,6 +11,7 @@ from benchmark_modules import benchmark_module
 from engine_reference import PROMPTS, gib_for_blocks
 from neo import EngineConfig, LLMEngine, SamplingParams
 from neo.config import HOST_PIPELINES
+from neo.engine.metrics import IterationRecord
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,45 @@ def test_each_iteration_says_whether_a_host_batch_was_in_flight(offload, tmp_pat
     records, _ = traced_run(tmp_path, "gpu-only", late_prompts=3)
     assert all(r["beside_host_batch"] is None for r in records)
     assert offload.trace_statistics(records)["median_prefill_ms_per_1k_tokens_alone"] is None
+
+
+def test_each_host_batch_says_whether_a_prefill_ran_beside_it(offload, tmp_path):
+    """Late prompts prefill while host batches are in flight: those batches are marked, the
+    batches of the steady decodes are not, and iterations say nothing."""
+    records, _ = traced_run(tmp_path, "neo", gpu_blocks=6, late_prompts=3)
+    batches = [r for r in records if r["host_batch"]]
+    assert all(isinstance(r["host_batch_beside_prefill"], bool) for r in batches)
+    assert {r["host_batch_beside_prefill"] for r in batches} == {True, False}
+    assert all(r["host_batch_beside_prefill"] is None for r in records if not r["host_batch"])
+    statistics = offload.trace_statistics(records)
+    assert statistics["host_batches_beside_prefill"] == sum(r["host_batch_beside_prefill"] for r in batches)
+    # A zero perf model predicts nothing: no ratio to report.
+    assert statistics["host_batch_median_host_measured_over_predicted"] is None
+    assert statistics["host_batch_median_rest_measured_over_predicted"] is None
+
+
+def host_batch_record(predicted: float, predicted_host: float, measured: float, host: float,
+                      beside_prefill: bool) -> dict:
+    """A host batch's trace record, as the engine writes it."""
+    return dataclasses.asdict(IterationRecord(
+        iteration=1, num_sub_batches=1, prefill_tokens=0, gpu_decodes=0, host_decodes=4,
+        predicted_seconds=predicted, predicted_host_seconds=predicted_host, profiled_host_seconds=predicted_host,
+        measured_seconds=measured, launch_seconds=0.0, queue_seconds=0.0, host_busy_seconds=host,
+        gpu_busy_seconds=None, schedule_seconds=0.0, graph_replayed=True, host_batch=True,
+        host_batch_wait_seconds=0.0, host_batch_beside_prefill=beside_prefill, host_context_tokens=4000))
+
+
+def test_a_host_batch_prediction_splits_into_its_host_time_and_the_rest(offload):
+    """Host time measured over predicted over every batch; the rest (the batch's seconds less
+    its host time) over the batches beside no prefill, as the scheduler calibrates it."""
+    records = [host_batch_record(0.10, 0.06, 0.12, 0.06, False),  # host 1.0, rest 1.5
+               host_batch_record(0.10, 0.06, 0.14, 0.06, False),  # host 1.0, rest 2.0
+               host_batch_record(0.10, 0.05, 0.20, 0.04, False),  # host 0.8, rest 3.2
+               host_batch_record(0.10, 0.05, 1.00, 0.05, True)]  # host 1.0, beside a prefill
+    statistics = offload.trace_statistics(records)
+    assert statistics["host_batch_median_host_measured_over_predicted"] == pytest.approx(1.0)
+    assert statistics["host_batch_median_rest_measured_over_predicted"] == pytest.approx(2.0)
+    assert statistics["host_batches_beside_prefill"] == 1
 
 
 def test_each_run_is_labelled_with_its_pipeline_and_return_order(offload):

@@ -610,6 +610,7 @@ class LLMEngine:
                 measured_seconds=result.seconds, launch_seconds=0.0, queue_seconds=0.0,
                 host_busy_seconds=result.host_seconds, gpu_busy_seconds=None, schedule_seconds=0.0,
                 graph_replayed=result.replayed_graph, host_batch=True, host_batch_wait_seconds=result.wait_seconds,
+                host_batch_beside_prefill=flight.beside_prefill,
                 host_context_tokens=sum(request.num_tokens for request in result.requests)))
 
     def _device_segments_freed(self) -> int | None:

@@ -62,6 +62,9 @@ class IterationRecord:
     # work waited for it.
     host_batch: bool = False
     host_batch_wait_seconds: float | None = None
+    # Whether a prefill ran beside the host batch (its rest is then no calibration sample:
+    # ``neo.sched.placement.host_batches``); None for iterations.
+    host_batch_beside_prefill: bool | None = None
     # Context tokens the host decodes attended over, summed over them (their K/V bytes are what
     # host attention reads: these tokens times the layout's bytes per token).
     host_context_tokens: int = 0
