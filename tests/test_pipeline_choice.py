@@ -226,3 +226,22 @@ def test_the_engine_runs_auto_with_gpu_only_tokens_each_iteration_in_its_order(t
                  if step.stage is not Stage.ATTN_HOST or step.sub_batch in with_host]
         assert calls == steps
     assert sum(kind == "host batch" for kind, *_ in walked) == metrics["host_batches"]
+
+
+def test_a_host_batch_launched_after_a_lockstep_plan_with_prefills_is_marked_beside_them():
+    """A host batch launched right after a plan with prefills runs beside them (async scheduling)
+    and gives no sample of its rest, whichever pipeline made that plan."""
+    scheduler = make_scheduler("neo", 30, 200, overheads_model(**ASYNC_CHEAPER), host_pipeline="auto", graphs=False)
+    placement = scheduler.placement
+    for request in requests_of(48, prompt_len=40, max_tokens=20):
+        scheduler.add(request)
+    choose = placement.choose
+    placement.choose = lambda *arguments: placement.lockstep
+    while scheduler.waiting:  # the last of these plans prefills the last prompts
+        plan = scheduler.schedule()
+        execute(scheduler, plan)
+    assert plan.sub_batches[0].prefills and placement._planned_by is placement.lockstep
+    placement.choose = choose
+    launch = scheduler.schedule()
+    assert launch.host_batch is not None and not launch.sub_batches[0].prefills
+    assert placement.in_flight.beside_prefill

@@ -142,9 +142,7 @@ class HostBatches(Placement):
             plan.stage_order = SEQUENTIAL
         plan.predicted_host_time = plan.profiled_host_time = 0.0
         self._launch_host_batch(scheduler, batch0, host_requests, plan)
-        if self.in_flight is not None and batch0.prefills:
-            self.in_flight.beside_prefill = True
-        self._previous_plan_prefilled = bool(batch0.prefills)
+        self.note_prefills(batch0)
         alone = estimates.sequential_time(batch0) if batch0 else 0.0
         slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight is not None:
@@ -155,6 +153,13 @@ class HostBatches(Placement):
         decode_only = bool(batch0) and not batch0.prefills and not plan.has_swaps
         plan.beside_host_batch = self.in_flight is not None
         plan.interference_sample = alone if decode_only else None
+
+    def note_prefills(self, batch0: SubBatch) -> None:
+        """A plan with this batch 0 was made (by this placement or, under ``auto``, the lockstep
+        one): whether it prefills marks the batch in flight, and a batch launched next."""
+        if self.in_flight is not None and batch0.prefills:
+            self.in_flight.beside_prefill = True
+        self._previous_plan_prefilled = bool(batch0.prefills)
 
     def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],
                            plan: SchedulerOutput) -> None:

@@ -75,6 +75,8 @@ class PipelineChoice(Placement):
     def place(self, scheduler, batch0: SubBatch, host_requests: list[Request], plan: SchedulerOutput) -> None:
         self._planned_by = self.choose(scheduler, batch0, host_requests, plan)
         self._planned_by.place(scheduler, batch0, host_requests, plan)
+        if self._planned_by is self.lockstep:  # a host batch launched next runs beside its prefills
+            self.asynchronous.note_prefills(batch0)
 
     def choose(self, scheduler, batch0: SubBatch, host_requests: list[Request], plan: SchedulerOutput) -> Placement:
         """The placement whose plan for these inputs makes more estimated tokens per second
