@@ -219,6 +219,29 @@ def test_host_decodes_that_do_not_pay_do_not_run(workload):
     assert neo.output_tokens_per_s >= 0.99 * gpu_only.output_tokens_per_s
 
 
+def test_a_planning_profile_steers_the_scheduler_while_time_follows_the_profile(tmp_path):
+    """Qwen2.5-32B on the measured H100 profile, 2 GiB of GPU pool, 500/200. Planned with a
+    copy that prices host attention at 4x, neo decodes less on the host and makes fewer tokens
+    per second, though time still follows the profile; gpu-only plans without a perf model and
+    does not change. Planned with the profile itself, every figure is as without a planning
+    profile."""
+    slow = json.loads(open(PROFILE).read())
+    slow["host_attention_seconds"] = [[4 * seconds for seconds in row] for row in slow["host_attention_seconds"]]
+    slow_path = tmp_path / "slow.json"
+    slow_path.write_text(json.dumps(slow))
+    settings = dict(model="qwen2.5-32b", hardware=preset("h100"), workload="synthetic:input=500,output=200",
+                    num_requests=60, gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=32.0, profile=PROFILE)
+    truth = run_scenario(Scenario(**settings))
+    same = run_scenario(Scenario(**settings, planning_profile=PROFILE))
+    steered = run_scenario(Scenario(**settings, planning_profile=str(slow_path)))
+    assert [r.summary() for r in same] == [r.summary() for r in truth]
+    assert steered[0].summary() == truth[0].summary()  # gpu-only
+    assert truth[1].host_decode_tokens > 0
+    assert steered[1].host_decode_tokens < truth[1].host_decode_tokens
+    assert steered[1].output_tokens_per_s < truth[1].output_tokens_per_s
+    assert all(r.finished_requests == 60 for r in truth + steered)
+
+
 def test_several_ranks_are_simulated_as_one_rank_with_its_shapes_and_pools():
     """Two ranks of 70B: each rank's pools hold blocks of its half of the KV heads, so 6 GiB per
     rank holds as many blocks as 12 GiB of the whole model; 8B's KV heads do not split over 3."""

@@ -44,6 +44,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
                          help="host-device copy bandwidth in both directions, GB/s")
     parser.add_argument("--profile", default=None,
                         help="a `neo profile` table (JSON) instead of synthesized stage times")
+    parser.add_argument("--planning-profile", default=None,
+                        help="a `neo profile` table the offloading policies plan with, while time follows "
+                             "--profile (or the synthesized times): what a profile that is off costs")
     parser.add_argument("--tensor-parallel-size", type=cli_values.integer_at_least(1), default=1,
                         help="GPUs of the machine the model is split over, each with its own pools "
                              "(needs a --profile measured on a rank of that many)")
@@ -127,7 +130,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     profile=args.profile, duration=args.duration, seed=args.workload_seed,
-                    tensor_parallel_size=args.tensor_parallel_size, arrivals=args.arrivals)
+                    tensor_parallel_size=args.tensor_parallel_size, arrivals=args.arrivals,
+                    planning_profile=args.planning_profile)
 
 
 def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
@@ -138,7 +142,8 @@ def results_table(scenario: Scenario, results: list[SimulationResult]) -> str:
     lines = [f"{scenario.model} on {gpus}{hardware.name} ({hardware.dtype}, {hardware.host_cores} host cores, "
              f"host read {hardware.host_read_bandwidth(hardware.host_attention_threads):.0f} GB/s), "
              f"{scenario.workload}, {scenario.num_requests} requests{_arrivals(scenario)}, "
-             f"{'measured profile ' + scenario.profile if scenario.profile else 'synthesized stage times'}",
+             f"{'measured profile ' + scenario.profile if scenario.profile else 'synthesized stage times'}"
+             f"{', planned with ' + scenario.planning_profile if scenario.planning_profile else ''}",
              f"{'policy':<13}{'out tok/s':>10}{'total tok/s':>12}{'steady':>9}{'ratio':>7}{'steady r':>9}"
              f"{'iters':>7}{'host %':>7}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>17}{'head/tail s':>13}"]
     for result in results:

@@ -99,12 +99,13 @@ def graph_coverage(config: EngineConfig, max_model_len: int) -> GraphCoverage:
 
 
 def build_parts(config: EngineConfig, model: ModelConfig, hardware: Hardware, table: PerfTable,
-                max_model_len: int) -> SchedulingParts:
+                max_model_len: int, planning_table: PerfTable | None = None) -> SchedulingParts:
     """The scheduler of ``config.policy`` as the engine wires it: gpu-only plans without a perf
-    model, the offloading policies with ``table`` and a host-time calibration that learns from
-    the simulated measurements. A policy that decodes on the host on a table without host
-    attention (a host with no attention thread or no read bandwidth) gets gpu-only's
-    placement: no host decode can run there."""
+    model, the offloading policies with ``planning_table`` (default ``table``) and a host-time
+    calibration that learns from the simulated measurements; the simulated time follows
+    ``table``. A policy that decodes on the host on a table without host attention (a host with
+    no attention thread or no read bandwidth) gets gpu-only's placement: no host decode can run
+    there."""
     layout = cache_layout(config, model, hardware)
     if layout.num_gpu_blocks == 0 and config.policy != "full-offload":
         raise ValueError(f"the GPU KV pool holds no block of {layout.block_bytes} bytes: raise gpu_kv_cache_gib")
@@ -120,7 +121,8 @@ def build_parts(config: EngineConfig, model: ModelConfig, hardware: Hardware, ta
     if config.policy == "gpu-only" or not host_decodes:
         placement, planning_model = GpuOnly(), PerfModel.zero()
     else:
-        placement, planning_model = make_placement(config.policy, config.host_pipeline, config.placement), perf_model
+        placement = make_placement(config.policy, config.host_pipeline, config.placement)
+        planning_model = perf_model if planning_table is None else PerfModel(planning_table)
     estimates = Estimates(planning_model, TimeCalibration(prior=HOST_TIME_PRIOR), coverage, manager, order, batch_order)
     scheduler = Scheduler(config, manager, placement, estimates)
     timing = Estimates(perf_model, TimeCalibration(), coverage, manager, order, batch_order)

@@ -30,7 +30,10 @@ class Scenario:
     (``neo.models.parallel.rank_config``) and a profile measured on a rank of that many (its
     stage times hold the collectives, which synthesized stage times do not model).
     ``arrivals``: one of ``ARRIVALS``; with "at-once" a trace's arrival times are dropped, so the
-    prediction is of what `neo bench` measures on the same workload."""
+    prediction is of what `neo bench` measures on the same workload. ``planning_profile``: a
+    ``neo profile`` table the offloading policies' scheduler plans with, while the simulated time
+    follows ``profile`` (or the synthesized table): what a profile that is off costs, e.g. one
+    measured while something else held the host, or on another machine."""
 
     model: str
     hardware: Hardware
@@ -53,6 +56,7 @@ class Scenario:
     seed: int = 0
     tensor_parallel_size: int = 1
     arrivals: str = "at-once"
+    planning_profile: str | None = None
 
     def engine_config(self, policy: str) -> EngineConfig:
         """The engine settings of ``policy`` in this scenario (validated as the engine's)."""
@@ -71,16 +75,20 @@ class Scenario:
                             seed=self.seed, tensor_parallel_size=self.tensor_parallel_size)
 
 
+def load_profile(path: str, scenario: Scenario) -> PerfTable:
+    """A measured profile, which must have been measured on as many ranks as the scenario has."""
+    table = PerfTable.load(path)
+    measured_on = table.key.get("tensor_parallel_size", 1)
+    if measured_on != scenario.tensor_parallel_size:
+        raise ValueError(f"the profile {path} was measured on a rank of {measured_on}, the "
+                         f"scenario has tensor_parallel_size={scenario.tensor_parallel_size}")
+    return table
+
+
 def stage_table(scenario: Scenario, config: EngineConfig, max_model_len: int) -> PerfTable:
-    """The measured profile, or the table synthesized for the scenario's pools and limits. A
-    profile must have been measured on as many ranks as the scenario has."""
+    """The measured profile, or the table synthesized for the scenario's pools and limits."""
     if scenario.profile is not None:
-        table = PerfTable.load(scenario.profile)
-        measured_on = table.key.get("tensor_parallel_size", 1)
-        if measured_on != scenario.tensor_parallel_size:
-            raise ValueError(f"the profile {scenario.profile} was measured on a rank of {measured_on}, the "
-                             f"scenario has tensor_parallel_size={scenario.tensor_parallel_size}")
-        return table
+        return load_profile(scenario.profile, scenario)
     if scenario.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size={scenario.tensor_parallel_size} needs a profile measured on a "
                          f"rank of that many (`neo profile --tensor-parallel-size "
@@ -107,10 +115,11 @@ def run_scenario(scenario: Scenario, show_progress: bool = False, on_iteration=N
     workload = parse_workload(scenario.workload, scenario.num_requests, seed=scenario.seed)
     if scenario.arrivals == "at-once":
         workload = [replace(item, arrival_offset=None) for item in workload]
+    planning_table = None if scenario.planning_profile is None else load_profile(scenario.planning_profile, scenario)
     results = []
     for policy in scenario.policies:
         config = scenario.engine_config(policy)
         table = stage_table(scenario, config, max_model_len)
-        simulation = Simulation(config, model, scenario.hardware, table, max_model_len, on_iteration)
+        simulation = Simulation(config, model, scenario.hardware, table, max_model_len, on_iteration, planning_table)
         results.append(simulation.run(workload, scenario.duration, show_progress))
     return results

@@ -153,13 +153,15 @@ def make_requests(workload: list[WorkloadRequest], max_model_len: int,
 
 class Simulation:
     """One policy's run (``run``). ``on_iteration(plan, seconds)`` sees each executed plan and
-    its simulated seconds."""
+    its simulated seconds. Time follows ``table``; the scheduler plans with ``planning_table``
+    where given (``build_parts``)."""
 
     def __init__(self, config: EngineConfig, model: ModelConfig, hardware: Hardware, table: PerfTable,
-                 max_model_len: int, on_iteration: Callable[[SchedulerOutput, float], None] | None = None):
+                 max_model_len: int, on_iteration: Callable[[SchedulerOutput, float], None] | None = None,
+                 planning_table: PerfTable | None = None):
         self.config = config
         self.hardware = hardware
-        self.parts: SchedulingParts = build_parts(config, model, hardware, table, max_model_len)
+        self.parts: SchedulingParts = build_parts(config, model, hardware, table, max_model_len, planning_table)
         self.max_model_len = max_model_len
         self.num_layers = model.num_layers
         self.on_iteration = on_iteration
