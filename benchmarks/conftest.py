@@ -191,8 +191,7 @@ def benchmark_summary(request, working_set_bytes) -> BenchmarkSummary:
     if summary is None:
         require_memory(working_set_bytes, "the read probe's rotated buffer")
         probe = ReadProbe.allocate(working_set_bytes)
-        for _ in range(PROBE_SLICES):
-            probe.read_next()
+        probe.warm_up()
         summary = request.config.stash[SUMMARY_KEY] = BenchmarkSummary(working_set_bytes, probe)
     return summary
 

@@ -41,6 +41,11 @@ class ReadProbe:
         self.next_slice = (self.next_slice + 1) % PROBE_SLICES
         return total
 
+    def warm_up(self) -> None:
+        """Read every slice once (the first touches of a fresh buffer are not a read rate)."""
+        for _ in range(PROBE_SLICES):
+            self.read_next()
+
     def read_bandwidth(self) -> float:
         """GB/s of the fastest of ``PROBE_ROUNDS`` rounds of slice sums on torch's current
         thread count."""
@@ -59,8 +64,7 @@ def measure_read_bandwidth(nbytes: int, threads: int) -> float:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(PROBE_SLICES):
-            probe.read_next()
+        probe.warm_up()
         return probe.read_bandwidth()
     finally:
         torch.set_num_threads(previous_threads)
