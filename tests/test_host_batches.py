@@ -222,9 +222,11 @@ def test_interference_is_the_slowdown_beside_host_batches_over_the_estimate_alon
     assert interference.factor is None  # too few iterations beside a batch yet
     interference.observe(0.010, 0.030, beside_host_batch=True)
     assert interference.factor == pytest.approx(3.0)  # nothing alone yet: against the estimate itself
+    interference.observe(0.010, 0.030, beside_host_batch=True, alone_scale=1.5)
+    assert interference.factor == pytest.approx(2.0)  # too few alone: against the calibration given
     for measured in (0.012, 0.012, 0.012):  # alone, the estimate is 1.2x optimistic
-        interference.observe(0.010, measured, beside_host_batch=False)
-    assert interference.factor == pytest.approx(2.5)
+        interference.observe(0.010, measured, beside_host_batch=False, alone_scale=1.5)
+    assert interference.factor == pytest.approx(2.5)  # enough alone: against their own median
     interference.observe(0.0, 0.5, beside_host_batch=True)  # no estimate: ignored
     assert interference.factor == pytest.approx(2.5)
     for _ in range(8):  # beside as fast as alone, or faster: no slowdown
@@ -232,14 +234,15 @@ def test_interference_is_the_slowdown_beside_host_batches_over_the_estimate_alon
     assert interference.factor == 1.0
 
 
-def slow_host_batch_scheduler(host_requests: int) -> Scheduler:
+def slow_host_batch_scheduler(host_requests: int, gpu_blocks: int = 10) -> Scheduler:
     """GPU: 10 decodes, 10 ms an iteration (1000 tokens/s); a host batch's stages take 10 ms
-    and its host attention 1 ms per request."""
+    and its host attention 1 ms per request. ``gpu_blocks``: the GPU pool (10: full after 8
+    tokens more of each request)."""
     model = synthetic_model(0.0, 0.0, 1e-6)
     model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
     model.table.host_attention_seconds = [[1e-3 * requests] * len(model.table.host_attention_tokens[0])
                                          for requests in model.table.host_attention_requests]
-    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    scheduler = make_scheduler("neo", gpu_blocks=gpu_blocks, host_blocks=400, perf_model=model)
     running_requests(scheduler, GPU, 10)
     running_requests(scheduler, HOST, host_requests)
     return scheduler
@@ -253,6 +256,39 @@ def run_iteration(scheduler: Scheduler, slowdown: float) -> SchedulerOutput:
     execute(scheduler, plan, seconds=0.01 * (slowdown if beside else 1.0),
             host_batch=plan.host_batch.host_decodes if plan.host_batch else None, host_batch_seconds=None)
     return plan
+
+
+def test_decode_iterations_alone_calibrate_the_estimates_of_later_ones():
+    """The GPU's decode iterations alone take 1.5x their profiled time (in serving the engine's
+    own step adds to what the profile timed): later decode iterations are estimated at 1.5x,
+    and so is the steady iteration the economics weigh host batches against. Iterations
+    beside a host batch are no samples of it; the slowdown beside a batch is then measured
+    against the calibrated estimate, not counted twice."""
+    scheduler = slow_host_batch_scheduler(0, gpu_blocks=40)
+    estimates = scheduler.estimates
+    calibration = estimates.gpu_decode_calibration
+    gpu_requests = list(scheduler.running)
+    steady_before = estimates.steady_gpu_batch(gpu_requests, [], None).alone_time
+    for _ in range(4):
+        plan = scheduler.schedule()
+        assert plan.host_batch is None and not plan.beside_host_batch
+        assert plan.predicted_time == pytest.approx(plan.gpu_decode_sample * calibration.scale)
+        execute(scheduler, plan, seconds=1.5 * plan.gpu_decode_sample)
+    assert calibration.scale == pytest.approx(1.5)
+    plan = scheduler.schedule()
+    assert plan.predicted_time == pytest.approx(1.5 * plan.gpu_decode_sample)
+    assert estimates.steady_gpu_batch(gpu_requests, [], None).alone_time == pytest.approx(1.5 * steady_before)
+    execute(scheduler, plan, seconds=1.5 * plan.gpu_decode_sample)
+
+    scheduler = slow_host_batch_scheduler(40)  # host batches pay from the start
+    calibration = scheduler.estimates.gpu_decode_calibration
+    calibration.observe(0.01, 0.015)  # as learned above, with too few iterations alone for interference
+    interference = scheduler.placement.interference
+    for _ in range(interference.min_samples):  # beside a batch: 3x the profile, 2x the calibrated
+        plan = run_iteration(scheduler, slowdown=3.0)
+        assert plan.beside_host_batch and plan.gpu_decode_sample == pytest.approx(0.01)
+    assert calibration.scale == pytest.approx(1.5) and interference.factor == pytest.approx(2.0)
+    assert scheduler.schedule().predicted_time == pytest.approx(3.0 * 0.01)
 
 
 def test_host_batches_stop_paying_once_the_gpu_iterations_beside_them_measure_slower():
@@ -433,7 +469,7 @@ def test_under_async_scheduling_each_iteration_is_measured_against_its_own_plan(
     alone, whatever order the plans were made in."""
     scheduler = slow_host_batch_scheduler(40)
     first = scheduler.schedule()
-    assert first.host_batch is not None and first.interference_sample == pytest.approx(0.01)
+    assert first.host_batch is not None and first.gpu_decode_sample == pytest.approx(0.01)
     assert first.beside_host_batch is True
     host_requests = first.host_batch.host_decodes
     scheduler.update(first, None, HostBatchOutput(host_requests, [TOKEN] * len(host_requests), 0.05, 0.04,
@@ -441,7 +477,7 @@ def test_under_async_scheduling_each_iteration_is_measured_against_its_own_plan(
     for request in host_requests:
         scheduler.abort(request)
     second = scheduler.schedule()
-    assert second.host_batch is None and second.interference_sample == pytest.approx(0.01)
+    assert second.host_batch is None and second.gpu_decode_sample == pytest.approx(0.01)
     assert second.beside_host_batch is False
     interference = scheduler.placement.interference
     execute(scheduler, first, seconds=0.1)

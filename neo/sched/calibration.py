@@ -1,6 +1,7 @@
 """Corrections the scheduler learns from what the engine measures while it serves.
 
-- ``TimeCalibration``: a factor on an estimated time (host attention, the rest of a host batch).
+- ``TimeCalibration``: a factor on an estimated time (host attention, the rest of a host batch,
+  an iteration of GPU decodes alone).
 - ``HostBatchInterference``: how much slower the GPU's iterations run beside a host batch.
 
 How far the measured times stray from the profile on the GPU machine is in RESULTS.md.
@@ -30,6 +31,11 @@ class TimeCalibration:
       its stages share the GPU with the iterations' kernels, so the rest takes longer than its
       stages' profiled times add up to, by a ratio that depends on what the GPU runs beside it
       (``HostBatches`` takes no sample from a batch that ran beside a prefill). Prior 1.
+    - **an iteration of GPU decodes alone** (async host pipeline): the profile times a decode
+      graph replayed back to back; in serving each iteration also waits for the engine's own
+      step (planning, inputs, reading the tokens) where that does not hide under the device's
+      work, and the device may run slower than it did while profiling. Sampled from the
+      decode-only iterations that ran beside no host batch and moved no blocks. Prior 1.
     """
 
     def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
@@ -66,8 +72,9 @@ class HostBatchInterference:
     GPU time: its kernels share the SMs, and its host attention's threads share the host with
     the thread that launches the iterations. Each decode iteration gives the ratio of its
     measured to its estimated time alone; ``factor`` is the median ratio of the last ``window``
-    iterations beside a batch over that of those alone (1 while fewer than ``min_samples`` ran
-    alone: the estimate itself), at least 1. None until ``min_samples`` iterations ran beside a
+    iterations beside a batch over that of those alone (while fewer than ``min_samples`` ran
+    alone, over the factor ``observe`` was given for them: the calibration of iterations alone,
+    1 for the estimate itself), at least 1. None until ``min_samples`` iterations ran beside a
     batch.
     """
 
@@ -82,12 +89,14 @@ class HostBatchInterference:
         """The measured over estimated ratios in the window: (beside a batch, alone), oldest first."""
         return list(self._beside), list(self._alone)
 
-    def observe(self, estimated_alone: float, measured: float, beside_host_batch: bool) -> None:
+    def observe(self, estimated_alone: float, measured: float, beside_host_batch: bool,
+                alone_scale: float = 1.0) -> None:
         """One decode iteration's estimate alone and measured seconds (ignored unless both
-        are positive)."""
+        are positive); ``alone_scale``: measured over estimated seconds alone, assumed while
+        fewer than ``min_samples`` iterations ran alone."""
         if estimated_alone <= 0 or measured <= 0:
             return
         (self._beside if beside_host_batch else self._alone).append(measured / estimated_alone)
         if len(self._beside) >= self.min_samples:
-            alone = statistics.median(self._alone) if len(self._alone) >= self.min_samples else 1.0
+            alone = statistics.median(self._alone) if len(self._alone) >= self.min_samples else alone_scale
             self.factor = max(1.0, statistics.median(self._beside) / alone)

@@ -36,6 +36,11 @@ class GpuWork:
 NO_GPU_WORK = GpuWork(0, 0.0)  # a sub-batch of host decodes alone
 
 
+def is_gpu_decode_only(batch: SubBatch) -> bool:
+    """Whether ``batch`` is GPU decodes alone: no prefill, no host decode."""
+    return bool(batch.gpu_decodes) and not batch.prefills and not batch.host_decodes
+
+
 @dataclass
 class SteadyGpuBatch:
     """The GPU sub-batch of a steady decode iteration (``Estimates.steady_gpu_batch``): beside
@@ -44,23 +49,25 @@ class SteadyGpuBatch:
 
     count: int  # GPU decodes
     stage_times: StageTimes  # beside host decodes (no host attention of its own)
-    alone_time: float
+    alone_time: float  # corrected by ``Estimates.gpu_decode_calibration``
     pipeline_graphed: bool  # beside host decodes, a pipeline graph covers it
 
 
 class Estimates:
     """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs,
     ``host_batch_order`` the async host pipeline's batches'. ``host_calibration`` corrects host
-    attention, ``host_batch_rest_calibration`` the rest of a host batch (``TimeCalibration``;
-    None: one with prior 1)."""
+    attention, ``host_batch_rest_calibration`` the rest of a host batch, ``gpu_decode_calibration``
+    an iteration of GPU decodes alone (``TimeCalibration``s; None: one with prior 1)."""
 
     def __init__(self, perf_model: PerfModel, host_calibration: TimeCalibration, coverage: GraphCoverage,
                  block_manager: BlockManager, two_sub_batch_order: StageOrder,
                  host_batch_order: StageOrder = HOST_BATCH,
-                 host_batch_rest_calibration: TimeCalibration | None = None):
+                 host_batch_rest_calibration: TimeCalibration | None = None,
+                 gpu_decode_calibration: TimeCalibration | None = None):
         self.perf_model = perf_model
         self.host_calibration = host_calibration
         self.host_batch_rest_calibration = host_batch_rest_calibration or TimeCalibration()
+        self.gpu_decode_calibration = gpu_decode_calibration or TimeCalibration()
         self.coverage = coverage
         self.block_manager = block_manager
         self.two_sub_batch_order = two_sub_batch_order
@@ -119,23 +126,26 @@ class Estimates:
                        + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
     def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None) -> float:
-        """One sub-batch in the sequential order. ``work`` and ``host`` (its host attention
-        seconds) when the caller has them already."""
-        graph = self.graph_time(batch)
-        if graph is not None:
-            return graph
+        """One sub-batch in the sequential order (a sub-batch of GPU decodes alone corrected by
+        ``gpu_decode_calibration``). ``work`` and ``host`` (its host attention seconds) when the
+        caller has them already."""
+        if is_gpu_decode_only(batch):
+            return self.uncorrected_sequential_time(batch, work, host) * self.gpu_decode_calibration.scale
+        return self.uncorrected_sequential_time(batch, work, host)
+
+    def uncorrected_sequential_time(self, batch: SubBatch, work: GpuWork | None = None,
+                                    host: float | None = None) -> float:
+        """``sequential_time`` from the profile alone: a decode graph's time where the runner
+        replays one (and the profile has it), else the stages' times added up."""
+        if self.coverage.replays_decode_graph([batch]):
+            graph = self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
+            if graph is not None:
+                return graph
         work = self.gpu_work(batch) if work is None else work
         host = self.host_time(batch) if host is None else host
         times = StageTimes(self.perf_model.linear(work.linear_tokens + len(batch.host_decodes)),
                            work.attention_seconds, host)
         return self.perf_model.iteration_time(SEQUENTIAL, [times])
-
-    def graph_time(self, batch: SubBatch) -> float | None:
-        """Seconds of a sub-batch of GPU decodes alone that the runner replays from a decode
-        graph; None for any other sub-batch."""
-        if not self.coverage.replays_decode_graph([batch]):
-            return None
-        return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
 
     def replays_pipeline_graph(self, batch0: SubBatch) -> bool:
         """Whether a two-sub-batch plan with this batch 0 is one the runner replays from a
@@ -201,4 +211,5 @@ class Estimates:
         # Alone, that batch replays a decode graph where the engine has one for it.
         graph_time = model.graph_decode(count, context) if self.coverage.decode_graph(count, widest) else None
         alone_time = times.linear + times.gpu_attention + model.iteration_overhead if graph_time is None else graph_time
-        return SteadyGpuBatch(count, times, alone_time, self.coverage.pipeline_graph(count, widest))
+        return SteadyGpuBatch(count, times, alone_time * self.gpu_decode_calibration.scale,
+                              self.coverage.pipeline_graph(count, widest))

@@ -65,10 +65,12 @@ class SchedulerOutput:
     # work (the one launched with it included); None under the other pipelines.
     beside_host_batch: bool | None = None
     # A decode-only iteration under the async host pipeline that moves no blocks: its estimated
-    # seconds alone, against which its measured time teaches the slowdown beside host batches
-    # (``HostBatchInterference``) once it has run. Carried by the plan, as async scheduling makes
-    # the next plan before this one's time is measured.
-    interference_sample: float | None = None
+    # seconds alone from the profile (uncorrected), against which its measured time teaches the
+    # calibration of iterations alone (``Estimates.gpu_decode_calibration``, from those beside no
+    # host batch) and the slowdown beside host batches (``HostBatchInterference``) once it has
+    # run. Carried by the plan, as async scheduling makes the next plan before this one's time
+    # is measured.
+    gpu_decode_sample: float | None = None
 
     @property
     def is_empty(self) -> bool:

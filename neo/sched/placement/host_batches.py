@@ -45,8 +45,10 @@ attention and the rest of its time (its GPU stages and hand-offs) each corrected
 the completed batches measured of it (``TimeCalibration``; the rest only from batches that ran
 beside no prefill: the first batches, beside a burst of prefills, take several times their
 estimate, and a correction learned from them alone would close the host pool for good, since
-no later batch would measure it again). An iteration that
-runs while a batch is in flight is estimated as its time alone times the measured slowdown
+no later batch would measure it again). An iteration of GPU decodes alone is estimated by its
+profiled time corrected by what such iterations measured beside no batch
+(``Estimates.gpu_decode_calibration``; the economics see a new correction at their periodic
+refresh), and one that runs while a batch is in flight by that times the measured slowdown
 (before it is measured, grown by the batch's GPU stages' share of the batch's time).
 """
 
@@ -55,7 +57,7 @@ from dataclasses import dataclass, field
 from neo.request import Request
 
 from ..calibration import HostBatchInterference
-from ..estimates import remaining_output
+from ..estimates import is_gpu_decode_only, remaining_output
 from ..runner_output import HostBatchOutput, IterationOutput
 from ..scheduler_output import SchedulerOutput, SubBatch
 from ..stage_order import SEQUENTIAL
@@ -126,8 +128,12 @@ class HostBatches(Placement):
 
     def observe(self, scheduler, plan: SchedulerOutput, output: IterationOutput) -> None:
         super().observe(scheduler, plan, output)
-        if plan.interference_sample is not None:
-            self.interference.observe(plan.interference_sample, output.seconds, plan.beside_host_batch)
+        if plan.gpu_decode_sample is None:
+            return
+        calibration = scheduler.estimates.gpu_decode_calibration
+        if not plan.beside_host_batch:
+            calibration.observe(plan.gpu_decode_sample, output.seconds)
+        self.interference.observe(plan.gpu_decode_sample, output.seconds, plan.beside_host_batch, calibration.scale)
 
     def measured_corrections(self, scheduler) -> tuple:
         estimates = scheduler.estimates
@@ -149,10 +155,10 @@ class HostBatches(Placement):
             slowdown = self.interference.factor or 1 + (estimates.host_batch_gpu_time(len(self.in_flight.requests))
                                                          / (self.in_flight.predicted_time + EPSILON))
         plan.predicted_time = alone * slowdown
-        # A plan's block copies lengthen it beyond its estimate, so it is no sample of interference.
-        decode_only = bool(batch0) and not batch0.prefills and not plan.has_swaps
         plan.beside_host_batch = self.in_flight is not None
-        plan.interference_sample = alone if decode_only else None
+        # A plan's block copies lengthen it beyond its estimate, so it is no sample.
+        if is_gpu_decode_only(batch0) and not plan.has_swaps:
+            plan.gpu_decode_sample = estimates.uncorrected_sequential_time(batch0)
 
     def note_prefills(self, batch0: SubBatch) -> None:
         """A plan with this batch 0 was made (by this placement or, under ``auto``, the lockstep
