@@ -171,6 +171,22 @@ def test_host_calibration_is_the_measured_over_profiled_ratio_of_recent_iteratio
         TimeCalibration(prior=10.0)
 
 
+def test_a_median_calibration_waits_for_its_minimum_and_ignores_a_stray_sample():
+    calibration = TimeCalibration(window=5, statistic="median", min_samples=3)
+    calibration.observe(1.0, 50.0)  # one iteration held up by the engine: 50x
+    calibration.observe(1.0, 1.2)
+    assert calibration.scale == 1.0  # the prior, until three samples
+    calibration.observe(2.0, 2.4)
+    assert calibration.scale == pytest.approx(1.2)
+    for _ in range(5):  # the window keeps the last five
+        calibration.observe(1.0, 0.9)
+    assert calibration.scale == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="statistic"):
+        TimeCalibration(statistic="mean")
+    with pytest.raises(ValueError, match="min_samples"):
+        TimeCalibration(window=4, min_samples=5)
+
+
 @pytest.mark.parametrize("measured_over_profiled, admits_after_measuring", [(1.0, False), (0.3, True)])
 def test_optimistic_prior_tries_host_decodes_then_follows_the_measured_host_time(measured_over_profiled,
                                                                                  admits_after_measuring):

@@ -20,31 +20,50 @@ HOST_TIME_PRIOR = 0.67
 
 class TimeCalibration:
     """A factor on an estimated time, learned from the times the engine measures: the measured
-    over the estimated seconds of the last ``window`` samples (sums, so long samples weigh more),
-    within ``bounds``; ``prior`` before the first sample. ``Estimates`` keeps two:
+    over the estimated seconds of the last ``window`` samples, within ``bounds``; ``prior``
+    until ``min_samples`` were taken. ``statistic`` "sum": the ratio of the sums, so long samples
+    weigh more; "median": the median of the samples' ratios, which one stray sample does not
+    move (for many short samples, some of which a stall of the engine's own lengthens).
+    ``Estimates`` keeps three:
 
     - **host attention**: the profile times host attention in isolated iterations; in the
       engine's pipelined ones the same work often runs faster (the CPU's threads stay busy from
-      layer to layer there), and the ratio moves with the load. Prior ``HOST_TIME_PRIOR``.
+      layer to layer there), and the ratio moves with the load. Prior ``HOST_TIME_PRIOR``, sums.
     - **the rest of a host batch** (async host pipeline): its seconds less its host attention,
       i.e. its GPU stages and the hand-offs between them and the host. On a stream of its own
       its stages share the GPU with the iterations' kernels, so the rest takes longer than its
       stages' profiled times add up to, by a ratio that depends on what the GPU runs beside it
-      (``HostBatches`` takes no sample from a batch that ran beside a prefill). Prior 1.
+      (``HostBatches`` takes no sample from a batch that ran beside a prefill). Prior 1, sums.
     - **an iteration of GPU decodes alone** (async host pipeline): the profile times a decode
       graph replayed back to back; in serving each iteration also waits for the engine's own
       step (planning, inputs, reading the tokens) where that does not hide under the device's
       work, and the device may run slower than it did while profiling. Sampled from the
-      decode-only iterations that ran beside no host batch and moved no blocks. Prior 1.
+      decode-only iterations that ran beside no host batch and moved no blocks
+      (``for_gpu_decodes``): medians, from 8 samples on, as one iteration now and then
+      takes tens of times its estimate (the first of a burst of new requests) and, while host
+      batches run back to back, no iteration alone follows to outweigh it.
     """
 
-    def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0)):
+    def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0),
+                 statistic: str = "sum", min_samples: int = 1):
         if not bounds[0] <= prior <= bounds[1]:
             raise ValueError(f"prior {prior} is outside the bounds {bounds}")
+        if statistic not in ("sum", "median"):
+            raise ValueError(f"statistic must be 'sum' or 'median', got {statistic!r}")
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples {min_samples} is outside [1, window={window}]")
         self.bounds = bounds
+        self.statistic = statistic
+        self.min_samples = min_samples
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (estimated, measured)
         # Read for every estimate the scheduler makes: kept up to date in ``observe``.
         self.scale = prior
+
+    @classmethod
+    def for_gpu_decodes(cls) -> "TimeCalibration":
+        """The calibration of GPU decode iterations alone: the median of the last 64 samples,
+        from 8 on, prior 1."""
+        return cls(window=64, statistic="median", min_samples=8)
 
     @property
     def samples(self) -> list[tuple[float, float]]:
@@ -58,11 +77,16 @@ class TimeCalibration:
     def observe(self, estimated_seconds: float, measured_seconds: float) -> None:
         """One sample: the uncorrected estimate and the measured time (ignored unless both are
         positive)."""
-        if estimated_seconds > 0 and measured_seconds > 0:
-            self._samples.append((estimated_seconds, measured_seconds))
-            estimated = sum(sample[0] for sample in self._samples)
-            measured = sum(sample[1] for sample in self._samples)
-            self.scale = min(max(measured / estimated, self.bounds[0]), self.bounds[1])
+        if estimated_seconds <= 0 or measured_seconds <= 0:
+            return
+        self._samples.append((estimated_seconds, measured_seconds))
+        if len(self._samples) < self.min_samples:
+            return
+        if self.statistic == "median":
+            ratio = statistics.median(measured / estimated for estimated, measured in self._samples)
+        else:
+            ratio = sum(sample[1] for sample in self._samples) / sum(sample[0] for sample in self._samples)
+        self.scale = min(max(ratio, self.bounds[0]), self.bounds[1])
 
 
 class HostBatchInterference:

@@ -57,7 +57,8 @@ class Estimates:
     """Estimated seconds; ``two_sub_batch_order`` is the order the lockstep pipeline runs,
     ``host_batch_order`` the async host pipeline's batches'. ``host_calibration`` corrects host
     attention, ``host_batch_rest_calibration`` the rest of a host batch, ``gpu_decode_calibration``
-    an iteration of GPU decodes alone (``TimeCalibration``s; None: one with prior 1)."""
+    an iteration of GPU decodes alone (``TimeCalibration``s; None: prior 1, the rest's by sums,
+    the decodes' ``TimeCalibration.for_gpu_decodes``)."""
 
     def __init__(self, perf_model: PerfModel, host_calibration: TimeCalibration, coverage: GraphCoverage,
                  block_manager: BlockManager, two_sub_batch_order: StageOrder,
@@ -67,7 +68,7 @@ class Estimates:
         self.perf_model = perf_model
         self.host_calibration = host_calibration
         self.host_batch_rest_calibration = host_batch_rest_calibration or TimeCalibration()
-        self.gpu_decode_calibration = gpu_decode_calibration or TimeCalibration()
+        self.gpu_decode_calibration = gpu_decode_calibration or TimeCalibration.for_gpu_decodes()
         self.coverage = coverage
         self.block_manager = block_manager
         self.two_sub_batch_order = two_sub_batch_order
