@@ -49,7 +49,7 @@ class SteadyGpuBatch:
 
     count: int  # GPU decodes
     stage_times: StageTimes  # beside host decodes (no host attention of its own)
-    alone_time: float  # corrected by ``Estimates.gpu_decode_calibration``
+    alone_time: float  # from the profile (uncorrected)
     pipeline_graphed: bool  # beside host decodes, a pipeline graph covers it
 
 
@@ -127,17 +127,9 @@ class Estimates:
                        + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
     def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None) -> float:
-        """One sub-batch in the sequential order (a sub-batch of GPU decodes alone corrected by
-        ``gpu_decode_calibration``). ``work`` and ``host`` (its host attention seconds) when the
-        caller has them already."""
-        if is_gpu_decode_only(batch):
-            return self.uncorrected_sequential_time(batch, work, host) * self.gpu_decode_calibration.scale
-        return self.uncorrected_sequential_time(batch, work, host)
-
-    def uncorrected_sequential_time(self, batch: SubBatch, work: GpuWork | None = None,
-                                    host: float | None = None) -> float:
-        """``sequential_time`` from the profile alone: a decode graph's time where the runner
-        replays one (and the profile has it), else the stages' times added up."""
+        """One sub-batch in the sequential order, from the profile: a decode graph's time where
+        the runner replays one (and the profile has it), else the stages' times added up.
+        ``work`` and ``host`` (its host attention seconds) when the caller has them already."""
         if self.coverage.replays_decode_graph([batch]):
             graph = self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
             if graph is not None:
@@ -147,6 +139,15 @@ class Estimates:
         times = StageTimes(self.perf_model.linear(work.linear_tokens + len(batch.host_decodes)),
                            work.attention_seconds, host)
         return self.perf_model.iteration_time(SEQUENTIAL, [times])
+
+    def corrected_sequential_time(self, batch: SubBatch) -> float:
+        """``sequential_time``, a sub-batch of GPU decodes alone corrected by
+        ``gpu_decode_calibration``. The async host pipeline's placement estimates its
+        iterations so, as it is the one that measures them; the lockstep placement weighs
+        batch 0 alone against two-sub-batch plans whose GPU stages no measurement corrects, so
+        it (and ``auto``'s comparison of the two) keeps the profile's times on both sides."""
+        seconds = self.sequential_time(batch)
+        return seconds * self.gpu_decode_calibration.scale if is_gpu_decode_only(batch) else seconds
 
     def replays_pipeline_graph(self, batch0: SubBatch) -> bool:
         """Whether a two-sub-batch plan with this batch 0 is one the runner replays from a
@@ -212,5 +213,4 @@ class Estimates:
         # Alone, that batch replays a decode graph where the engine has one for it.
         graph_time = model.graph_decode(count, context) if self.coverage.decode_graph(count, widest) else None
         alone_time = times.linear + times.gpu_attention + model.iteration_overhead if graph_time is None else graph_time
-        return SteadyGpuBatch(count, times, alone_time * self.gpu_decode_calibration.scale,
-                              self.coverage.pipeline_graph(count, widest))
+        return SteadyGpuBatch(count, times, alone_time, self.coverage.pipeline_graph(count, widest))

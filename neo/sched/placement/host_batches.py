@@ -149,7 +149,7 @@ class HostBatches(Placement):
         plan.predicted_host_time = plan.profiled_host_time = 0.0
         self._launch_host_batch(scheduler, batch0, host_requests, plan)
         self.note_prefills(batch0)
-        alone = estimates.sequential_time(batch0) if batch0 else 0.0
+        alone = estimates.corrected_sequential_time(batch0) if batch0 else 0.0
         slowdown = 1.0  # beside the host batch in flight: measured, else its GPU stages' share of it
         if self.in_flight is not None:
             slowdown = self.interference.factor or 1 + (estimates.host_batch_gpu_time(len(self.in_flight.requests))
@@ -158,7 +158,7 @@ class HostBatches(Placement):
         plan.beside_host_batch = self.in_flight is not None
         # A plan's block copies lengthen it beyond its estimate, so it is no sample.
         if is_gpu_decode_only(batch0) and not plan.has_swaps:
-            plan.gpu_decode_sample = estimates.uncorrected_sequential_time(batch0)
+            plan.gpu_decode_sample = estimates.sequential_time(batch0)
 
     def note_prefills(self, batch0: SubBatch) -> None:
         """A plan with this batch 0 was made (by this placement or, under ``auto``, the lockstep
@@ -218,7 +218,7 @@ class HostBatches(Placement):
         tokens = len(batch0.prefills) + len(batch0.gpu_decodes)
         if not tokens:
             return float(num_host_decodes)
-        rate = tokens / (scheduler.estimates.sequential_time(batch0) + EPSILON)
+        rate = tokens / (scheduler.estimates.corrected_sequential_time(batch0) + EPSILON)
         return num_host_decodes - rate * self.gpu_cost(scheduler.estimates, num_host_decodes, context_tokens)
 
     def gpu_cost(self, estimates, num_host_decodes: int, context_tokens: int) -> float:
@@ -236,7 +236,8 @@ class HostBatches(Placement):
         only where the host would finish it before the GPU drains (``host_finishes_first``)."""
         estimates = scheduler.estimates
         steady = estimates.steady_gpu_batch(gpu_requests, host_requests, scheduler.waiting[0] if scheduler.waiting else None)
-        gpu_rate = steady.count / (steady.alone_time + EPSILON) if steady.count else 0.0
+        alone_time = steady.alone_time * estimates.gpu_decode_calibration.scale  # as its iterations measure
+        gpu_rate = steady.count / (alone_time + EPSILON) if steady.count else 0.0
         host_context = sum(r.num_tokens for r in host_requests)
 
         def gain(requests: int, context: int) -> float:

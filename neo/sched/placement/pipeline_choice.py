@@ -14,7 +14,10 @@ returns (the scheduler core has made them):
   the batch adds its ``n`` tokens: ``r + (n - r * cost) / T``. Without GPU work, ``n / T``.
 
 The plan with the higher rate runs (a tie goes to async). Both are estimated from the same
-``Estimates`` and perf model the placements use on their own.
+``Estimates`` and perf model the placements use on their own, the GPU's iterations at the
+profile's times on both sides: the correction the async placement applies to its decode
+iterations alone (``Estimates.corrected_sequential_time``) has no counterpart for the GPU
+stages of lockstep's two-sub-batch plans, which nothing measures.
 
 The rule that keeps the two kinds of iteration apart: **no lockstep iteration while a host
 batch is in flight.** While one is, the host's attention threads are busy with it and its
