@@ -127,18 +127,23 @@ class Estimates:
                        + model.prefill_attention([r.num_tokens for r in batch.prefills]))
 
     def sequential_time(self, batch: SubBatch, work: GpuWork | None = None, host: float | None = None) -> float:
-        """One sub-batch in the sequential order, from the profile: a decode graph's time where
-        the runner replays one (and the profile has it), else the stages' times added up.
-        ``work`` and ``host`` (its host attention seconds) when the caller has them already."""
-        if self.coverage.replays_decode_graph([batch]):
-            graph = self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
-            if graph is not None:
-                return graph
+        """One sub-batch in the sequential order, from the profile. ``work`` and ``host`` (its
+        host attention seconds) when the caller has them already."""
+        graph = self.graph_time(batch)
+        if graph is not None:
+            return graph
         work = self.gpu_work(batch) if work is None else work
         host = self.host_time(batch) if host is None else host
         times = StageTimes(self.perf_model.linear(work.linear_tokens + len(batch.host_decodes)),
                            work.attention_seconds, host)
         return self.perf_model.iteration_time(SEQUENTIAL, [times])
+
+    def graph_time(self, batch: SubBatch) -> float | None:
+        """Seconds of a sub-batch of GPU decodes alone that the runner replays from a decode
+        graph; None for any other sub-batch."""
+        if not self.coverage.replays_decode_graph([batch]):
+            return None
+        return self.perf_model.graph_decode(len(batch.gpu_decodes), sum(r.num_tokens for r in batch.gpu_decodes))
 
     def corrected_sequential_time(self, batch: SubBatch) -> float:
         """``sequential_time``, a sub-batch of GPU decodes alone corrected by
