@@ -127,6 +127,33 @@ def test_the_iterations_measured_seconds_add_up_to_the_time_that_passed(device, 
     assert sum(measured) <= elapsed
 
 
+def test_a_finished_burst_leaves_no_iteration_in_flight_to_time_the_idle_stretch_after_it(tmp_path):
+    """The step whose read ends the last requests has launched one more iteration for them
+    (its tokens are dropped). It is read in that step: left in flight, it would be read only in
+    the next burst's first step, and its measured time would count the idle second in between
+    (on the GPU machine such an iteration measured 52x its estimate and set the decode
+    calibration, summed, to its bound). Each burst of 5 tokens a request is one prefill and 5
+    decode iterations, the last one dropped: all 12 are in the trace."""
+    idle_seconds = 1.0
+    engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", dtype="float32", policy="gpu-only",
+                                    gpu_kv_cache_gib=gib_for_blocks(1024), perf_model="zero", max_num_seqs=8,
+                                    async_scheduling=True, trace_path=str(tmp_path / "trace.json")))
+    try:
+        for burst in range(2):
+            requests = [engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                           request_id=f"{burst}-{index}") for index, prompt in enumerate(PROMPTS)]
+            while engine.has_unfinished_requests():
+                engine.step()
+            assert not engine.iteration_in_flight
+            assert all(len(request.output_token_ids) == 5 for request in requests)
+            time.sleep(idle_seconds)
+        records = engine.trace.records
+    finally:
+        engine.close()
+    assert len(records) == 12
+    assert all(0 < record.measured_seconds < idle_seconds for record in records if not record.prefill_tokens)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_async_scheduling_by_default_on_cuda_only(device):
     """Unset, it is on for CUDA devices, one rank or several, and off on the CPU (each step

@@ -343,7 +343,8 @@ class LLMEngine:
         behind k's sampling), apply the stop conditions to them (``Scheduler.update``) and return
         them. So the host's bookkeeping, planning and input building of one iteration overlap
         the device's previous one, and each step returns the tokens of the iteration before. A
-        request that stopped at k has its token of k+1 dropped and its blocks freed.
+        request that stopped at k has its token of k+1 dropped and its blocks freed; when k's
+        tokens end every request, the step reads k+1 too (``_read_last_iteration``).
 
         Under the async and auto host pipelines a host batch is independent of the GPU's
         iterations: the plan's host batch, if any, is launched before k+1 and the one in flight
@@ -381,8 +382,20 @@ class LLMEngine:
         if launched is not None:
             self.scheduler.advance(plan)
             self._in_flight = _IterationInFlight(plan, launched, start, schedule_seconds, segments_freed)
+        if self._in_flight is not None and not self.scheduler.has_unfinished:
+            outputs += self._read_last_iteration()
         self.metrics.busy_seconds += time.perf_counter() - start
         return outputs
+
+    def _read_last_iteration(self) -> list[RequestOutput]:
+        """Read the iteration in flight when every request it holds has ended (with the tokens
+        this step read, the ones it computed are dropped): nothing would step the engine again
+        until new requests come, and its measured time, which runs until its read, would count
+        the engine's idle stretch in between (the scheduler's calibrations and the trace divide
+        by it). Returns the outputs of requests whose reading failed (none ended otherwise)."""
+        failed: list[Request] = []
+        self._settle(failed)
+        return [self._output(request) for request in failed]
 
     def _launch(self, plan: SchedulerOutput,
                 on_launched) -> tuple[LaunchedIteration | None, BaseException | None]:
