@@ -158,7 +158,7 @@ class HostBatches(Placement):
         plan.beside_host_batch = self.in_flight is not None
         # A plan's block copies lengthen it beyond its estimate, so it is no sample.
         if is_gpu_decode_only(batch0) and not plan.has_swaps:
-            plan.gpu_decode_sample = estimates.sequential_time(batch0)
+            plan.gpu_decode_sample = alone / estimates.gpu_decode_calibration.scale  # the profile's
 
     def note_prefills(self, batch0: SubBatch) -> None:
         """A plan with this batch 0 was made (by this placement or, under ``auto``, the lockstep
