@@ -39,9 +39,9 @@ class TimeCalibration:
       step (planning, inputs, reading the tokens) where that does not hide under the device's
       work, and the device may run slower than it did while profiling. Sampled from the
       decode-only iterations that ran beside no host batch and moved no blocks
-      (``for_gpu_decodes``): medians, from 8 samples on, as one iteration now and then
-      takes tens of times its estimate (the first of a burst of new requests) and, while host
-      batches run back to back, no iteration alone follows to outweigh it.
+      (``for_gpu_decodes``): medians, from 8 samples on, as an iteration held up by anything
+      outside it (a stall of the engine's own thread) can take many times its estimate and,
+      while host batches run back to back, no iteration alone follows to outweigh it.
     """
 
     def __init__(self, prior: float = 1.0, window: int = 16, bounds: tuple[float, float] = (0.25, 4.0),
