@@ -13,6 +13,7 @@ the host; every KV block must be free again afterwards; greedy tokens must equal
 import time
 
 import pytest
+import torch
 
 from conftest import cuda_skip_reason
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
@@ -25,6 +26,9 @@ from neo.sched.runner_output import UNRESOLVED_TOKEN
 def mixed_requests() -> list[tuple[list[int], SamplingParams]]:
     return make_mixed_requests()
 
+
+# A sleep kernel of this many cycles holds a GPU for about 20 ms (clocks of 1-2 GHz).
+HELD_CYCLES = 30_000_000
 
 DEVICES = [pytest.param(device, marks=[pytest.mark.skip(reason=cuda_skip_reason(device))]
                         if cuda_skip_reason(device) else []) for device in ("cpu", "cuda")]
@@ -152,6 +156,36 @@ def test_a_finished_burst_leaves_no_iteration_in_flight_to_time_the_idle_stretch
         engine.close()
     assert len(records) == 12
     assert all(0 < record.measured_seconds < idle_seconds for record in records if not record.prefill_tokens)
+
+
+@pytest.mark.skipif(cuda_skip_reason("cuda") is not None, reason=str(cuda_skip_reason("cuda")))
+def test_a_host_batch_that_completes_while_a_step_waits_is_followed_by_the_next_at_once(mixed_requests):
+    """Each GPU iteration is held on the device for about 20 ms (a sleep kernel queued before its
+    work), far longer than a host batch of the tiny model: a batch completes while the step
+    waits for an iteration's tokens, and the step collects it and launches the next one then
+    (``Scheduler.schedule_host_batch``), not a step later. The tokens equal the synchronous
+    engine's, and every block is free again."""
+    results = {}
+    for async_scheduling in (False, True):
+        engine = engine_for(async_scheduling, 12, "cuda", "neo", "async")
+        if async_scheduling:
+            launch = engine.runner.launch
+
+            def held_launch(plan, on_launched=None, previous=None, read_later=False):
+                torch.cuda._sleep(HELD_CYCLES)
+                return launch(plan, on_launched, previous, read_later)
+
+            engine.runner.launch = held_launch
+        try:
+            results[async_scheduling] = run_mixed(engine, mixed_requests)
+            engine.step()
+            assert_all_blocks_free(engine)
+            metrics = engine.metrics.as_dict()
+        finally:
+            engine.close()
+        assert metrics["host_decode_tokens"] > 0
+        assert (metrics["host_batches_between_steps"] > 0) == async_scheduling
+    assert results[True] == results[False]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,10 +33,12 @@ def make_scheduler(policy: str, gpu_blocks: int, host_blocks: int, perf_model: P
 
 
 def drive(scheduler: Scheduler, requests: list[Request], batch_iterations=lambda: 3,
-          on_plan=None, abort=None, max_steps: int = 20_000) -> None:
+          on_plan=None, abort=None, between_steps: bool = False, max_steps: int = 20_000) -> None:
     """The engine loop's stand-in: each iteration decodes its sub-batch; a launched host batch
     completes ``batch_iterations()`` iterations later (``abort(request)`` may abort any
-    unfinished request first, in flight or not)."""
+    unfinished request first, in flight or not). ``between_steps``: a batch that completes
+    during an iteration is collected then and the next one launched at once
+    (``Scheduler.schedule_host_batch``), as the engine does under async scheduling."""
     for request in requests:
         scheduler.add(request)
     in_flight, remaining = [], 0
@@ -64,6 +66,16 @@ def drive(scheduler: Scheduler, requests: list[Request], batch_iterations=lambda
             remaining -= 1
             if remaining <= 0 or not plan.requests:
                 completed, in_flight = in_flight, []
+        if completed and between_steps and plan.requests:
+            execute(scheduler, SchedulerOutput(), host_batch=completed)
+            completed, relaunch = None, scheduler.schedule_host_batch(plan)
+            if relaunch is not None:
+                launched = relaunch.host_batch.host_decodes
+                assert not relaunch.sub_batches and not relaunch.has_swaps
+                assert all(r.location is HOST and r.status is RequestStatus.RUNNING for r in launched)
+                assert all(len(r.block_table) * scheduler.block_manager.block_size >= r.num_tokens for r in launched)
+                assert not {id(r) for r in launched} & {id(r) for r in plan.requests}
+                in_flight, remaining = launched, batch_iterations()
         execute(scheduler, plan, host_batch=completed)
         holders = [r for r in requests if not r.is_finished] + [r for r in in_flight if r.is_finished]
         check_pools(scheduler.block_manager, holders)  # aborted requests in flight still hold blocks
@@ -122,6 +134,68 @@ def test_a_host_batch_pays_when_its_tokens_exceed_what_its_gpu_stages_cost(host_
         execute(scheduler, plan, host_batch=plan.host_batch.host_decodes if plan.host_batch else None,
                 host_batch_seconds=None)
     assert launches == [pays] * len(launches)
+
+
+def paying_host_batch_scheduler(host_requests: int) -> Scheduler:
+    """The pools and costs of the test above: 10 GPU decodes fill the GPU pool, and a host
+    batch pays above 10 requests. Each host request's token after the next fills its block."""
+    model = synthetic_model(0.0, 0.0, 1e-6)
+    model.table.linear_seconds = [0.01] * len(model.table.linear_tokens)
+    scheduler = make_scheduler("neo", gpu_blocks=10, host_blocks=400, perf_model=model)
+    running_requests(scheduler, GPU, 10)
+    running_requests(scheduler, HOST, host_requests, prompt_len=scheduler.block_manager.block_size - 1)
+    return scheduler
+
+
+def complete_host_batch_during(scheduler: Scheduler) -> SchedulerOutput:
+    """Launch a host batch, plan the next iteration beside it, and complete the batch while
+    that iteration runs (as the engine collects it between steps); returns that plan."""
+    first = scheduler.schedule()
+    assert first.host_batch is not None
+    execute(scheduler, first)
+    beside = scheduler.schedule()
+    assert beside.host_batch is None and beside.beside_host_batch
+    execute(scheduler, SchedulerOutput(), host_batch=first.host_batch.host_decodes)
+    return beside
+
+
+def test_a_host_batch_completed_between_steps_is_followed_at_once_by_the_one_the_next_plan_launches():
+    """The batch launched between steps holds what the next ``schedule`` would have launched,
+    with the same slots, and nothing else; a twin scheduler that waits for that plan agrees."""
+    relaunched, planned = paying_host_batch_scheduler(40), paying_host_batch_scheduler(40)
+    beside = complete_host_batch_during(relaunched)
+    twin_beside = complete_host_batch_during(planned)
+    relaunch = relaunched.schedule_host_batch(beside)
+    assert relaunch is not None and not relaunch.sub_batches and not relaunch.requests
+    assert relaunched.placement.in_flight.requests == relaunch.host_batch.host_decodes
+    execute(planned, twin_beside)
+    next_plan = planned.schedule()
+    assert [r.request_id for r in relaunch.host_batch.host_decodes] == [
+        r.request_id for r in next_plan.host_batch.host_decodes]
+    assert [r.block_table for r in relaunch.host_batch.host_decodes] == [
+        r.block_table for r in next_plan.host_batch.host_decodes]
+    assert relaunch.host_batch_predicted_time == pytest.approx(next_plan.host_batch_predicted_time)
+    assert relaunched.schedule_host_batch(beside) is None  # one batch in flight at a time
+
+
+@pytest.mark.parametrize("case", ["does not pay", "room on the GPU", "host pool full"])
+def test_between_steps_no_host_batch_where_the_next_plan_might_decide_otherwise(case):
+    """No batch between steps, and no slot made, where ``schedule`` weighs more than the
+    batch: host requests that do not pay come back to the GPU first, one that fits the GPU
+    pool comes back now, and a full host pool evicts."""
+    scheduler = paying_host_batch_scheduler(9 if case == "does not pay" else 40)
+    beside = complete_host_batch_during(scheduler) if case != "does not pay" else scheduler.schedule()
+    manager = scheduler.block_manager
+    if case == "host pool full":
+        manager.pools[HOST].allocate(manager.num_free(HOST))
+    if case == "room on the GPU":  # GPU requests ended since the last judgement
+        for request in [r for r in scheduler.running if r.location is GPU][:5]:
+            scheduler.abort(request)
+        assert scheduler.host_decodes_pay and manager.num_free(GPU) >= 5
+    tables = [list(r.block_table) for r in scheduler.running]
+    assert scheduler.schedule_host_batch(beside) is None
+    assert [r.block_table for r in scheduler.running] == tables
+    assert scheduler.placement.in_flight is None
 
 
 def test_a_host_request_that_never_fits_the_gpu_pool_decodes_when_overdue():
@@ -453,8 +527,9 @@ def test_the_measured_rest_of_each_batch_calibrates_the_rest_of_later_batches():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), policy=st.sampled_from(["neo", "full-offload"]),
        gpu_blocks=st.integers(4, 40), host_blocks=st.integers(8, 80),
-       host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]))
-def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, gpu_blocks, host_blocks, host_speed):
+       host_speed=st.sampled_from([1e-8, 1e-6, 1e-3]), between_steps=st.booleans())
+def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, gpu_blocks, host_blocks, host_speed,
+                                                                 between_steps):
     scheduler, requests, rng = random_scheduler(seed, policy, gpu_blocks, host_blocks, host_speed, "async")
     waited = {}  # request -> iterations since its last token, while prefilled
 
@@ -466,7 +541,7 @@ def test_random_mixes_with_aborts_in_flight_never_leak_or_starve(seed, policy, g
         assert max(waited.values(), default=0) <= 200, "a request starved"
 
     drive(scheduler, requests, batch_iterations=lambda: rng.randint(1, 5), on_plan=on_plan,
-          abort=lambda request: rng.random() < 0.01)
+          abort=lambda request: rng.random() < 0.01, between_steps=between_steps)
     assert scheduler.block_manager.num_free(GPU) == scheduler.block_manager.num_total(GPU)
     assert scheduler.block_manager.num_free(HOST) == host_blocks
     assert all(r.is_finished for r in requests)

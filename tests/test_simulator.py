@@ -391,6 +391,34 @@ def test_launching_a_host_batch_holds_the_engine_until_the_driver_queues_its_hos
         with_overrides(preset("h100"), {"queued_host_functions": 2.5})
 
 
+def test_a_host_batch_that_completes_during_an_iteration_launched_ahead_is_followed_at_once():
+    """Under async scheduling the engine collects a host batch that completes while it waits
+    for an iteration's tokens and launches the next one then (``Scheduler.schedule_host_batch``);
+    the simulation does the same: such a batch starts when the one before it ends, and every
+    host decode is counted once."""
+    model = resolve_model_config("qwen2.5-32b")
+    scenario = Scenario(model="qwen2.5-32b", hardware=preset("h100"), workload="synthetic:input=1,output=1",
+                        num_requests=1, policies=("neo",), gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0)
+    table = PerfTable.load(PROFILE)
+    simulation = Simulation(scenario.engine_config("neo"), model, preset("h100"), table, 4096)
+    launches = []  # (the batch before's end, the launch's start)
+    original = simulation.launch
+
+    def launch(plan, at=None):
+        before = simulation.host_batches[-1].done_at if simulation.host_batches else None
+        original(plan, at)
+        launches.append((before, simulation.in_flight.done_at - simulation.in_flight.seconds, at is not None))
+
+    simulation.launch = launch
+    workload = parse_workload("synthetic:input=500,output=300", 80)
+    result = simulation.run(workload)
+    between = [(before, start) for before, start, between_steps in launches if between_steps]
+    assert len(between) > result.host_batches / 2
+    assert all(start == pytest.approx(before, rel=0, abs=1e-12) for before, start in between)
+    assert result.host_decode_tokens == sum(result.host_batch_sizes)
+    assert result.finished_requests == 80 and result.output_tokens == sum(r.output_len for r in workload)
+
+
 def test_bad_hardware_and_overrides_are_clear_errors():
     with pytest.raises(ValueError, match="unknown hardware 'h200'; choose one of h100, a100, g4dn.4xlarge"):
         preset("h200")

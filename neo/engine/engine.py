@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # With no GPU work to run, a step waits this long at most for the host batch in flight, so that
 # a caller adding requests meanwhile (the server) gets them scheduled soon.
 HOST_BATCH_WAIT_SECONDS = 0.02
+# Under async scheduling with a host batch in flight, a step waiting for the tokens of the
+# iteration in flight checks this often whether the host batch has completed.
+HOST_BATCH_POLL_SECONDS = 0.0002
 
 
 @dataclasses.dataclass
@@ -348,7 +351,9 @@ class LLMEngine:
 
         Under the async and auto host pipelines a host batch is independent of the GPU's
         iterations: the plan's host batch, if any, is launched before k+1 and the one in flight
-        collected after k's tokens are read, as ``_run`` does.
+        collected after k's tokens are read, as ``_run`` does; one that completes while the step
+        waits for those tokens is collected then, and the next one launched at once
+        (``_relaunch_host_batch_while_waiting``).
 
         It falls back to ``_step``'s order (the tokens of k read before k+1 is planned) where
         planning needs them: when a request might be evicted for room
@@ -370,6 +375,8 @@ class LLMEngine:
         self._launch_host_batch(plan, failed)
         launched, launch_error = self._launch(plan, on_launched)
         if self._in_flight is not None:
+            if launched is not None:
+                decoded += self._relaunch_host_batch_while_waiting(plan, failed)
             decoded += self._settle(failed)
         if launch_error is not None:  # after the read, so its requests keep the tokens computed before
             failed += self._fail(plan.affected_requests, launch_error, "its iteration failed")
@@ -386,6 +393,30 @@ class LLMEngine:
             outputs += self._read_last_iteration()
         self.metrics.busy_seconds += time.perf_counter() - start
         return outputs
+
+    def _relaunch_host_batch_while_waiting(self, beside: SchedulerOutput, failed: list[Request]) -> list[Request]:
+        """Wait for the tokens of the iteration in flight, and if the host batch in flight
+        completes first, collect it and launch the next one now (``Scheduler.schedule_host_batch``,
+        beside ``beside``, the plan just launched) rather than in the next step, which plans only
+        once those tokens are read: the host would sit idle for up to an iteration in between.
+        Returns the requests that got a token from the completed batch (on one rank; ranks that
+        follow queue a batch's parts as the driver's steps tell them)."""
+        if self.rank_workers is not None or not self.runner.host_batch_in_flight:
+            return []
+        launched = self._in_flight.launched
+        while not launched.ready():
+            if self.runner.host_batch_ready():
+                break
+            time.sleep(HOST_BATCH_POLL_SECONDS)
+        else:
+            return []
+        host_batch = self._collect_host_batch(beside, 0.0, failed)
+        decoded = [] if host_batch is None else self.scheduler.update(beside, None, host_batch)
+        relaunch = self.scheduler.schedule_host_batch(beside)
+        if relaunch is not None:
+            self._launch_host_batch(relaunch, failed)
+            self.metrics.host_batches_between_steps += 1
+        return decoded
 
     def _read_last_iteration(self) -> list[RequestOutput]:
         """Read the iteration in flight when every request it holds has ended (with the tokens

@@ -14,6 +14,7 @@ class EngineMetrics:
     graph_swap_iterations: int = 0  # of those, plans that also moved blocks between the pools
     host_batches: int = 0  # host batches of the async host pipeline completed
     graph_host_batches: int = 0  # of those, replayed from captured CUDA graphs
+    host_batches_between_steps: int = 0  # launched while a step waited for its tokens
     prefill_tokens: int = 0
     gpu_decode_tokens: int = 0
     host_decode_tokens: int = 0

@@ -55,6 +55,10 @@ class LaunchedIteration:
     timing: IterationTiming | None
     host_failures: torch.Tensor | None = None
 
+    def ready(self) -> bool:
+        """Whether its tokens can be read without waiting."""
+        return self.tokens is None or self.tokens.ready()
+
     def previous_tokens(self) -> PreviousTokens | None:
         """Its samples, as the next iteration's ``previous``."""
         return None if self.tokens is None else PreviousTokens(self.tokens.on_device, self.requests)
@@ -269,6 +273,11 @@ class ModelRunner:
     @property
     def host_batch_in_flight(self) -> bool:
         return self.host_batches is not None and self.host_batches.in_flight
+
+    def host_batch_ready(self) -> bool:
+        """Whether the host batch in flight has completed (``HostBatchRunner.ready``, which
+        queues its due layer parts first); False without one."""
+        return self.host_batches is not None and self.host_batches.ready()
 
     def collect_host_batch(self, wait_seconds: float) -> HostBatchOutput | None:
         """The host batch in flight once it has completed, waiting up to ``wait_seconds`` for

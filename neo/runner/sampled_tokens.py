@@ -57,6 +57,10 @@ class SampledTokens:
     on_host: torch.Tensor
     copied: torch.cuda.Event | None
 
+    def ready(self) -> bool:
+        """Whether the copy has completed (``tolist`` would not wait)."""
+        return self.copied is None or self.copied.query()
+
     def tolist(self) -> list[int]:
         """The token ids, waiting for the copy (not for work queued after it)."""
         if self.copied is not None:

@@ -28,7 +28,9 @@ a request that could never fit the GPU pool, no host request waits more than ``m
 iterations for a decode.
 
 Results come back through ``update``: the sampled tokens (appended, finished requests freed),
-the completed host batch, and the measured times, which correct later estimates. The requests
+the completed host batch, and the measured times, which correct later estimates. A host batch
+that completes between two plans may be followed at once by the next (``schedule_host_batch``),
+where the next plan would launch that batch whatever else it decided. The requests
 added between decisions and the iterations' times also give the rate at which work arrives
 (``ArrivalRate``), which the placement weighs against the backlog.
 
@@ -157,6 +159,44 @@ class Scheduler:
             for request in plan.requests:
                 request.last_scheduled_iteration = self.iteration
         return plan
+
+    def schedule_host_batch(self, beside: SchedulerOutput) -> SchedulerOutput | None:
+        """A plan of a host batch alone, to launch now: the host batch in flight has just
+        completed (``update``) while the GPU runs ``beside``, the last plan made, and the
+        placement launches host batches between steps. None where the next ``schedule``
+        might decide otherwise than launch the batch now, so that it decides: host decodes
+        do not pay (host requests would come back to the GPU first), a host request would come
+        back to the GPU pool now (it has room for the first in ``config.return_order``), or the
+        host pool lacks a block for a host request's next token (``schedule`` evicts then).
+        Otherwise every host request but those ``beside`` holds (a prompt prefilled into the
+        host pool there) gets its slot and the placement launches the batch if ``schedule``
+        would beside ``beside``'s GPU work (``Placement.place_host_batch``); a host
+        batch not launched counts no wait (``count_host_wait`` counts iterations)."""
+        placement = self.placement
+        if not placement.places_between_steps or placement.host_batch_in_flight or not self.host_decodes_pay:
+            return None
+        in_beside = {id(request) for request in beside.requests}  # prefilled into the host pool there
+        host_requests = [r for r in placement.plannable(self.running) if r.location is HOST and id(r) not in in_beside]
+        manager = self.block_manager
+        if not host_requests or self._would_return(host_requests):
+            return None
+        if sum(map(manager.needs_new_block, host_requests)) > manager.num_free(HOST):
+            return None
+        for request in host_requests:
+            if manager.needs_new_block(request):
+                manager.append_slot(request)
+        plan = SchedulerOutput()
+        placement.place_host_batch(self, beside, host_requests, plan)
+        return plan if plan.host_batch is not None else None
+
+    def _would_return(self, host_requests: list[Request]) -> bool:
+        """Whether ``_return_host_requests`` would move one of ``host_requests`` (in ``running``
+        order) to the GPU pool now: it moves none unless the first in its order fits."""
+        if GPU not in self.placement.decode_pools:
+            return False
+        first = host_requests[0] if self.config.return_order == "oldest" else max(host_requests, key=tokens_left)
+        reserve = self.watermark_blocks if self.running else 0
+        return self.block_manager.can_move(first, GPU, reserve=reserve)
 
     def _make_decode_slots(self, batch0: SubBatch, plan: SchedulerOutput) -> list[Request]:
         """Slots for every plannable request's next token, GPU pool first. GPU requests go into

@@ -17,7 +17,9 @@ order (``SchedulerOutput.runs_ahead`` false, or the GPU pool short of room for t
 Under the async host pipeline a plan's host batch is launched when it is planned and runs on the
 host's own timeline: it completes after its cost (``PerfModel.host_batch_time``), and is
 collected, as in the engine, after the first step whose GPU work ends past that (a step with no
-GPU work waits for it, or for the next arrival). Its ``pre``/``post`` stages share the GPU with
+GPU work waits for it, or for the next arrival); under async scheduling the engine collects it
+when it completes during an iteration launched ahead, and launches the next one then
+(``Scheduler.schedule_host_batch``), and so does the simulation. Its ``pre``/``post`` stages share the GPU with
 the iterations that run beside it: an iteration alone ``d`` seconds long progresses at
 ``1 / (1 + G / T)`` of its speed while a batch lasting ``T`` is in flight, ``G`` the batch's
 GPU stages' time (``Estimates.host_batch_gpu_time``: for ``n`` decodes in one sub-batch a
@@ -193,15 +195,40 @@ class Simulation:
             return slowed
         return overlap + (alone - overlap / flight.slowdown)
 
-    def launch(self, plan: SchedulerOutput) -> None:
+    def launch(self, plan: SchedulerOutput, at: float | None = None) -> None:
+        """Launch the plan's host batch now, or at ``at`` (a launch between steps, while the
+        GPU's iteration runs: it holds no step)."""
         requests = plan.host_batch.host_decodes
         timing = self.parts.timing
         seconds, host = timing.host_batch_time(requests)
         gpu_share = timing.host_batch_gpu_time(len(requests)) / seconds if seconds > 0 else 0.0
-        self.in_flight = HostBatchInFlight(list(requests), self.clock + seconds, seconds, host,
+        start = self.clock if at is None else at
+        self.in_flight = HostBatchInFlight(list(requests), start + seconds, seconds, host,
                                            max(1 + gpu_share, self.hardware.host_batch_slowdown))
         self.host_batches.append(self.in_flight)
-        self.clock += self.launch_seconds(host)
+        if at is None:
+            self.clock += self.launch_seconds(host)
+
+    def relaunch_between_steps(self, plan: SchedulerOutput) -> tuple[list[Request], int]:
+        """The engine's launch of a host batch between steps (``Scheduler.schedule_host_batch``):
+        where the batch in flight completed while the GPU ran ``plan``, launched ahead, it is
+        collected when it completed and the next one launched then, beside the rest of the
+        iteration, which the new batch slows from there (on one rank, as the engine does).
+        Returns the requests that got a token and the host decodes launched."""
+        flight = self.in_flight
+        if flight is None or flight.done_at > self.clock:
+            return [], 0
+        completed = self.collect(True, math.inf)
+        scheduler = self.parts.scheduler
+        decoded = scheduler.update(plan, None, completed)
+        relaunch = scheduler.schedule_host_batch(plan)
+        if relaunch is None:
+            return decoded, 0
+        self.launch(relaunch, at=flight.done_at)
+        slowed = (self.clock - flight.done_at) * (self.in_flight.slowdown - 1)
+        self.clock += slowed
+        self.iteration_seconds[-1] += slowed
+        return decoded, len(relaunch.host_batch.host_decodes)
 
     def launch_seconds(self, host: float) -> float:
         """How long launching a host batch of ``host`` seconds of host attention holds the
@@ -295,8 +322,12 @@ class Simulation:
                 self.launch(plan)
                 counts["host_tokens"] += len(plan.host_batch.host_decodes)
             output = self.execute(plan)
+            decoded = []
+            if runs_ahead and output is not None and self.config.tensor_parallel_size == 1:
+                decoded, relaunched = self.relaunch_between_steps(plan)
+                counts["host_tokens"] += relaunched
             completed = self.collect(output is not None, next_arrival)
-            decoded = scheduler.update(plan, output, completed)
+            decoded += scheduler.update(plan, output, completed)
             if output is not None:
                 counts["two"] += len(plan.sub_batches) == 2
                 counts["host_tokens"] += sum(len(batch.host_decodes) for batch in plan.sub_batches)

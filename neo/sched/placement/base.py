@@ -77,3 +77,14 @@ class Placement:
         """The host batch in flight completed (``output`` None: it failed); returns the
         requests whose tokens the caller appends."""
         raise RuntimeError("this placement launches no host batches")
+
+    #: Whether ``place_host_batch`` may launch a host batch between two plans.
+    places_between_steps = False
+
+    def place_host_batch(self, scheduler, beside: SchedulerOutput, host_requests: list[Request],
+                         plan: SchedulerOutput) -> None:
+        """Put a host batch of ``host_requests`` (their slots made, in ``running`` order) into
+        ``plan``, which holds nothing else, if ``place`` would have launched it with ``beside``:
+        the batch in flight has just completed while the GPU runs ``beside``, the last plan made
+        (``Scheduler.schedule_host_batch``)."""
+        raise RuntimeError("this placement launches no host batches between steps")

@@ -5,7 +5,10 @@ run as a host batch of their own beside the GPU's iterations (``neo.runner.host_
 batch in flight at a time, in the ``host-batch`` stage order on a stream of its own. When none
 is in flight, every host request that got its slot joins the next one; requests in flight are
 left out of planning until their batch completes (``host_batch_done``), and an abort of one of
-them frees its blocks only then. A request evicted to the host pool joins a batch launched
+them frees its blocks only then. A batch that completes between two plans (under async
+scheduling, while the engine waits for an iteration's tokens) is followed at once by the batch
+the next plan would launch, where nothing else that plan decides could change it
+(``Scheduler.schedule_host_batch``, ``place_host_batch``): the host does not wait a step. A request evicted to the host pool joins a batch launched
 after the iteration that copies its blocks out.
 
 Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
@@ -167,6 +170,15 @@ class HostBatches(Placement):
             self.in_flight.beside_prefill = True
         self._previous_plan_prefilled = bool(batch0.prefills)
 
+    places_between_steps = True
+
+    def place_host_batch(self, scheduler, beside: SchedulerOutput, host_requests: list[Request],
+                         plan: SchedulerOutput) -> None:
+        batch0 = beside.sub_batches[0] if beside.sub_batches else SubBatch()
+        requests = self.host_batch_candidate(scheduler, batch0, host_requests, beside)
+        if requests:
+            self._start_host_batch(scheduler, requests, plan)
+
     def _launch_host_batch(self, scheduler, batch0: SubBatch, host_requests: list[Request],
                            plan: SchedulerOutput) -> None:
         """Put the plannable host requests into ``plan.host_batch`` when no batch is in flight
@@ -175,6 +187,10 @@ class HostBatches(Placement):
         if not requests:
             scheduler.count_host_wait(bool(self.launchable(host_requests, plan)))
             return
+        self._start_host_batch(scheduler, requests, plan)
+
+    def _start_host_batch(self, scheduler, requests: list[Request], plan: SchedulerOutput) -> None:
+        """``requests`` become ``plan.host_batch``, estimated, and the batch in flight."""
         estimates = scheduler.estimates
         seconds, host = estimates.host_batch_time(requests)
         plan.host_batch = SubBatch(host_decodes=requests)
