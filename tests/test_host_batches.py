@@ -178,11 +178,13 @@ def test_a_host_batch_completed_between_steps_is_followed_at_once_by_the_one_the
     assert relaunched.schedule_host_batch(beside) is None  # one batch in flight at a time
 
 
-@pytest.mark.parametrize("case", ["does not pay", "room on the GPU", "host pool full"])
+@pytest.mark.parametrize("case", ["does not pay", "room on the GPU", "host pool full", "copies beside",
+                                  "copies unfinished"])
 def test_between_steps_no_host_batch_where_the_next_plan_might_decide_otherwise(case):
     """No batch between steps, and no slot made, where ``schedule`` weighs more than the
     batch: host requests that do not pay come back to the GPU first, one that fits the GPU
-    pool comes back now, and a full host pool evicts."""
+    pool comes back now, and a full host pool evicts. Nor while a plan whose device work may
+    not have run copies blocks: a freed host block it reads could be a new token's slot."""
     scheduler = paying_host_batch_scheduler(9 if case == "does not pay" else 40)
     beside = complete_host_batch_during(scheduler) if case != "does not pay" else scheduler.schedule()
     manager = scheduler.block_manager
@@ -192,8 +194,13 @@ def test_between_steps_no_host_batch_where_the_next_plan_might_decide_otherwise(
         for request in [r for r in scheduler.running if r.location is GPU][:5]:
             scheduler.abort(request)
         assert scheduler.host_decodes_pay and manager.num_free(GPU) >= 5
+    unfinished = ()
+    if case == "copies beside":
+        beside.swap_in.append((0, 0))
+    if case == "copies unfinished":
+        unfinished = (SchedulerOutput(swap_in=[(0, 0)]),)
     tables = [list(r.block_table) for r in scheduler.running]
-    assert scheduler.schedule_host_batch(beside) is None
+    assert scheduler.schedule_host_batch(beside, unfinished) is None
     assert [r.block_table for r in scheduler.running] == tables
     assert scheduler.placement.in_flight is None
 

@@ -412,7 +412,7 @@ class LLMEngine:
             return []
         host_batch = self._collect_host_batch(beside, 0.0, failed)
         decoded = [] if host_batch is None else self.scheduler.update(beside, None, host_batch)
-        relaunch = self.scheduler.schedule_host_batch(beside)
+        relaunch = self.scheduler.schedule_host_batch(beside, (self._in_flight.plan,))
         if relaunch is not None:
             self._launch_host_batch(relaunch, failed)
             self.metrics.host_batches_between_steps += 1

@@ -160,20 +160,27 @@ class Scheduler:
                 request.last_scheduled_iteration = self.iteration
         return plan
 
-    def schedule_host_batch(self, beside: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_host_batch(self, beside: SchedulerOutput,
+                            unfinished: tuple[SchedulerOutput, ...] = ()) -> SchedulerOutput | None:
         """A plan of a host batch alone, to launch now: the host batch in flight has just
         completed (``update``) while the GPU runs ``beside``, the last plan made, and the
-        placement launches host batches between steps. None where the next ``schedule``
-        might decide otherwise than launch the batch now, so that it decides: host decodes
-        do not pay (host requests would come back to the GPU first), a host request would come
-        back to the GPU pool now (it has room for the first in ``config.return_order``), or the
-        host pool lacks a block for a host request's next token (``schedule`` evicts then).
+        placement launches host batches between steps; ``unfinished``: the other plans whose
+        device work may not have run yet. None where one of them copies blocks between the
+        pools (a host block a copy back to the GPU reads is free already, and a new token's
+        slot may take it: the batch would write its K/V there before the copy runs), or where
+        the next ``schedule`` might decide otherwise than launch the batch now, so that it
+        decides: host decodes do not pay (host requests would come back to the GPU first), a
+        host request would come back to the GPU pool now (it has room for the first in
+        ``config.return_order``), or the host pool lacks a block for a host request's next
+        token (``schedule`` evicts then).
         Otherwise every host request but those ``beside`` holds (a prompt prefilled into the
         host pool there) gets its slot and the placement launches the batch if ``schedule``
         would beside ``beside``'s GPU work (``Placement.place_host_batch``); a host
         batch not launched counts no wait (``count_host_wait`` counts iterations)."""
         placement = self.placement
         if not placement.places_between_steps or placement.host_batch_in_flight or not self.host_decodes_pay:
+            return None
+        if any(plan.has_swaps for plan in (beside, *unfinished)):
             return None
         in_beside = {id(request) for request in beside.requests}  # prefilled into the host pool there
         host_requests = [r for r in placement.plannable(self.running) if r.location is HOST and id(r) not in in_beside]

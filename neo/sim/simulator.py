@@ -209,9 +209,11 @@ class Simulation:
         if at is None:
             self.clock += self.launch_seconds(host)
 
-    def relaunch_between_steps(self, plan: SchedulerOutput) -> tuple[list[Request], int]:
-        """The engine's launch of a host batch between steps (``Scheduler.schedule_host_batch``):
-        where the batch in flight completed while the GPU ran ``plan``, launched ahead, it is
+    def relaunch_between_steps(self, plan: SchedulerOutput,
+                               previous: SchedulerOutput | None) -> tuple[list[Request], int]:
+        """The engine's launch of a host batch between steps (``Scheduler.schedule_host_batch``,
+        ``previous``: the plan before, whose tokens the engine waits for meanwhile): where the
+        batch in flight completed while the GPU ran ``plan``, launched ahead, it is
         collected when it completed and the next one launched then, beside the rest of the
         iteration, which the new batch slows from there (on one rank, as the engine does).
         Returns the requests that got a token and the host decodes launched."""
@@ -221,7 +223,7 @@ class Simulation:
         completed = self.collect(True, math.inf)
         scheduler = self.parts.scheduler
         decoded = scheduler.update(plan, None, completed)
-        relaunch = scheduler.schedule_host_batch(plan)
+        relaunch = scheduler.schedule_host_batch(plan, () if previous is None else (previous,))
         if relaunch is None:
             return decoded, 0
         self.launch(relaunch, at=flight.done_at)
@@ -300,6 +302,7 @@ class Simulation:
         log: list[tuple[float, int]] = []
         cut_short = False
         in_flight = False  # the previous step was launched ahead: the GPU runs it while this one is planned
+        previous = None  # the plan of the previous step
         progress = tqdm(total=sum(r.sampling_params.max_tokens for r in requests), unit="tok",
                         desc=f"simulate {self.config.policy}", disable=not show_progress)
         while next_index < len(arrivals) or scheduler.has_unfinished:
@@ -324,8 +327,9 @@ class Simulation:
             output = self.execute(plan)
             decoded = []
             if runs_ahead and output is not None and self.config.tensor_parallel_size == 1:
-                decoded, relaunched = self.relaunch_between_steps(plan)
+                decoded, relaunched = self.relaunch_between_steps(plan, previous)
                 counts["host_tokens"] += relaunched
+            previous = plan
             completed = self.collect(output is not None, next_arrival)
             decoded += scheduler.update(plan, output, completed)
             if output is not None:
