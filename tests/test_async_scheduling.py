@@ -19,7 +19,9 @@ from conftest import cuda_skip_reason
 from engine_reference import NEW_TOKENS, PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from mixed_batch import ABORTED_AT, assert_all_blocks_free, engine_for, make_mixed_requests, run_mixed
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
+from neo.request import KVLocation, Request
 from neo.sched.runner_output import UNRESOLVED_TOKEN
+from neo.sched.scheduler_output import SchedulerOutput, SubBatch
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +195,17 @@ def test_a_host_batch_that_completes_while_a_step_waits_is_followed_by_the_next_
     (relaunched, reason, _), = aborted[True]
     assert reason == "abort" and relaunched[:ABORTED_AT] == synchronous[:ABORTED_AT]
     assert ABORTED_AT <= len(relaunched) <= ABORTED_AT + 1
+
+
+def test_a_plan_that_copies_blocks_between_the_pools_is_not_launched_ahead():
+    """A host batch runs on streams of its own: launched while the copies of a plan ahead had not
+    run, it would read blocks not yet in the host pool, or write into a host block a copy back
+    to the GPU has yet to read. Such a plan is read before the next plan is made."""
+    request = Request("0", [1, 2, 3], SamplingParams(max_tokens=4))
+    request.location = KVLocation.GPU
+    for copies in ({}, {"swap_out": [(0, 1)]}, {"swap_in": [(1, 0)]}):
+        plan = SchedulerOutput(sub_batches=[SubBatch(gpu_decodes=[request])], **copies)
+        assert plan.runs_ahead() == (not copies)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -359,8 +359,8 @@ class LLMEngine:
         planning needs them: when a request might be evicted for room
         (``Scheduler.can_plan_ahead``). A plan that uses the tokens on the host when it launches
         (penalties, log-probabilities), decodes on the host in the iteration itself or
-        prefills a prompt into the host pool, or has no sub-batch (``SchedulerOutput.runs_ahead``)
-        runs after k's tokens are read, as ``_step`` runs it.
+        prefills a prompt into the host pool, copies blocks between the pools, or has no sub-batch
+        (``SchedulerOutput.runs_ahead``) runs after k's tokens are read, as ``_step`` runs it.
         """
         failed: list[Request] = []
         decoded: list[Request] = []

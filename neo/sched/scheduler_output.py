@@ -90,10 +90,14 @@ class SchedulerOutput:
     def runs_ahead(self) -> bool:
         """Whether, under async scheduling, the plan may be launched before the previous
         iteration's tokens are read: it has device work, all of it on requests whose KV is in
-        the GPU pool (a host batch beside it is launched and collected on its own), and no
-        request that needs its tokens on the host when the next plan launches (penalties count
-        them; log-probabilities are recorded with them)."""
-        return any(self.sub_batches) and all(
+        the GPU pool (a host batch beside it is launched and collected on its own), it copies no
+        blocks between the pools, and no request needs its tokens on the host when the next
+        plan launches (penalties count them; log-probabilities are recorded with them). The
+        copies: a host batch runs on streams of its own, so one launched while they may not
+        have run would read a request's blocks before they arrive in the host pool, or write a
+        new token's K/V into a freed host block that a copy back to the GPU has yet to read; a
+        plan with copies is read before the next plan is made."""
+        return any(self.sub_batches) and not self.has_swaps and all(
             request.location is KVLocation.GPU and not request.sampling_params.uses_penalties
             and request.sampling_params.logprobs is None for request in self.requests)
 
