@@ -404,12 +404,19 @@ class LLMEngine:
         if self.rank_workers is not None or not self.runner.host_batch_in_flight:
             return []
         launched = self._in_flight.launched
-        while not launched.ready():
-            if self.runner.host_batch_ready():
-                break
-            time.sleep(HOST_BATCH_POLL_SECONDS)
-        else:
+        try:
+            while not launched.ready():
+                if self.runner.host_batch_ready():
+                    break
+                time.sleep(HOST_BATCH_POLL_SECONDS)
+            else:
+                return []
+        except Exception:  # reading the iteration and the batch raises it again, ending what they touched
             return []
+        except BaseException as error:  # an interrupt while waiting: as ``_settle`` handles one
+            flight, self._in_flight = self._in_flight, None
+            self._fail(flight.plan.affected_requests, error, "its iteration failed")
+            raise
         host_batch = self._collect_host_batch(beside, 0.0, failed)
         decoded = [] if host_batch is None else self.scheduler.update(beside, None, host_batch)
         relaunch = self.scheduler.schedule_host_batch(beside, (self._in_flight.plan,))
