@@ -190,8 +190,7 @@ class Scheduler:
         if sum(map(manager.needs_new_block, host_requests)) > manager.num_free(HOST):
             return None
         for request in host_requests:
-            if manager.needs_new_block(request):
-                manager.append_slot(request)
+            manager.append_slot(request)
         plan = SchedulerOutput()
         placement.place_host_batch(self, beside, host_requests, plan)
         return plan if plan.host_batch is not None else None

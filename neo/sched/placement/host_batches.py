@@ -8,8 +8,9 @@ left out of planning until their batch completes (``host_batch_done``), and an a
 them frees its blocks only then. A batch that completes between two plans (under async
 scheduling, while the engine waits for an iteration's tokens) is followed at once by the batch
 the next plan would launch, where nothing else that plan decides could change it
-(``Scheduler.schedule_host_batch``, ``place_host_batch``): the host does not wait a step. A request evicted to the host pool joins a batch launched
-after the iteration that copies its blocks out.
+(``Scheduler.schedule_host_batch``, ``place_host_batch``): the host does not wait a step. A
+request evicted to the host pool joins a batch launched after the iteration that copies its
+blocks out.
 
 Whether host decodes pay: the GPU never waits for a host batch's attention, but the batch costs
 the GPU's own iterations time: its ``pre``/``post`` stages read all the weights once per
