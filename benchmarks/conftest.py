@@ -227,9 +227,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write("")
         write(title)
         write(f"{'threads':>7}  {'implementation':<20}{'shape':<11}{'dtype':<10}{'ms':>9}"
-              f"{'GB/s':>9}{'probe':>9}{'% probe':>9}")
+              f"{'GB/s':>9}{'/thread':>9}{'probe':>9}{'% probe':>9}")
         for row in sorted(rows, key=lambda row: (-row.threads, shape_order(row.shape), row.dtype,
                                                  row.implementation)):
             write(f"{row.threads:>7}  {row.implementation:<20}{row.shape:<11}{row.dtype:<10}"
                   f"{row.milliseconds:>9.2f}{row.gigabytes_per_second:>9.1f}"
+                  f"{row.gigabytes_per_second / row.threads:>9.2f}"
                   f"{row.probe_gigabytes_per_second:>9.1f}{row.percent_of_probe:>8.0f}%")

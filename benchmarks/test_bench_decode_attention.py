@@ -54,6 +54,11 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 LONG_POINTS = [(16, 4096), (64, 1024), (256, 512)]
 # one layer's attention of a small host batch
 HOST_BATCH_POINTS = [(8, 256), (8, 768), (1, 256)]
+# Thread scaling: this point from DRAM, and in cache one sequence of SCALING_CACHED_CONTEXT
+# tokens per thread (2 MiB of 16-bit K/V each: about what one core's L2 holds).
+SCALING_POINT = (64, 1024)
+SCALING_CACHED_CONTEXT = 512
+SCALING_THREADS = sorted({count for count in (1, 2, 4, 8, *THREAD_COUNTS) if count <= max(THREAD_COUNTS)})
 DTYPES = (torch.bfloat16, torch.float16)
 # Rounds are chosen so that one benchmark takes about --seconds-per-benchmark, within these bounds.
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
@@ -307,6 +312,31 @@ def test_paged_decode_attention_in_cache(benchmark, measure, benchmark_summary, 
     case = in_cache_case(*point, dtype)
     seconds = time_paged_decode_attention(measure, implementation, case)
     record(benchmark, benchmark_summary, IN_CACHE, implementation.name, case, seconds)
+
+
+@pytest.fixture(params=SCALING_THREADS, ids=lambda threads: f"{threads}threads")
+def scaling_threads(request):
+    """Runs the test on this many torch threads (1, 2, 4, 8, all cores but one, all)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("source", [DRAM, IN_CACHE])
+@pytest.mark.parametrize("implementation", implementation_params())
+def test_paged_decode_attention_thread_scaling(benchmark, measure, benchmark_summary,
+                                               kv_working_set, dtype, scaling_threads,
+                                               implementation, source):
+    """What bounds a kernel at each thread count: where its rate from cache (a sequence of
+    SCALING_CACHED_CONTEXT tokens per thread, read on every call) is no higher than its rate
+    from DRAM (SCALING_POINT, rotated), each thread's own work bounds it, not the memory."""
+    if source == DRAM:
+        case = rotated_case(kv_working_set, SCALING_POINT)
+    else:
+        case = in_cache_case(scaling_threads, SCALING_CACHED_CONTEXT, dtype)
+    seconds = time_paged_decode_attention(measure, implementation, case)
+    record(benchmark, benchmark_summary, source, implementation.name, case, seconds)
 
 
 @pytest.mark.parametrize("point", point_params(LONG_POINTS[:1]))
