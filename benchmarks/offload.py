@@ -34,7 +34,10 @@ against its bound: host decode tokens per second of host-batch time, and the bou
 read bandwidth (a ``torch.sum`` probe over a rotated buffer of ``--read-probe-gib`` GiB on the
 engine's host attention threads, ``read_probe.py``) over the K/V bytes a host decode read on
 average (its context's K and V over every layer); and how the host batches' time splits: the
-share in which the host functions ran (the host attending) and the K/V read rate while they ran.
+share in which the host functions ran (the host attending) and the K/V read rate while they ran;
+and, right after each run, the same CPU kernel alone on a sample of its host batches' shapes, over
+the engine's host pool on its threads (``host_kernel_alone.py``): in the engine over alone is the
+hand-off's cost to the host.
 How much host batches slow the GPU's iterations beside them: the graph-replayed decodes' median
 seconds and the prefills' median milliseconds per 1000 prompt tokens, planned beside a batch
 and with none in flight.
@@ -59,6 +62,7 @@ from neo import EngineConfig, LLMEngine
 from neo.bench import release_device_memory, run_offline_benchmark
 from neo.config import RETURN_ORDERS
 from neo.runner.host_worker import default_cpu_attention_threads
+from host_kernel_alone import replay_host_batches
 from read_probe import measure_read_bandwidth
 
 POLICIES = ("gpu-only", "neo", "full-offload")
@@ -244,6 +248,7 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                 result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
                 layout = engine.kv_cache.layout
                 result["host_side"] = host_side(records, layout.block_bytes // layout.block_size)
+                result["kernel_alone"] = replay_host_batches(engine, records) if result["host_side"] else None
                 if traces_directory is not None:
                     result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
@@ -400,6 +405,14 @@ def main() -> None:
                   f"{side['host_decode_tokens_per_s']:10.1f} {bound}; K/V read {side['host_kv_read_gbps']:.1f} GB/s, "
                   f"attending {100 * side['host_attending_share']:.0f}% of the time"
                   + (f" at {side['host_kv_read_gbps_attending']:.1f} GB/s" if side["host_kv_read_gbps_attending"] else ""))
+        print("host attention in the engine (the batches' host functions) over the same kernel alone on the "
+              "same shapes, pool and threads right after the run, sampled batches, and their K/V read rates")
+        for run in host_runs:
+            alone = run.get("kernel_alone")
+            print(f"{run['workload']:<34} {run['policy']:<25} {run['threads'] or '-':>4} "
+                  + ("-" if alone is None else
+                     f"{alone['engine_over_alone']:.2f}x over {alone['batches']} batches: "
+                     f"{alone['kv_read_gbps_engine']:.1f} GB/s in the engine, {alone['kv_read_gbps_alone']:.1f} alone"))
         print("host batches' estimates, median measured over predicted: their host time, and the rest of them "
               "(GPU stages, hand-offs) in the batches beside no prefill")
         for run in host_runs:

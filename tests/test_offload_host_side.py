@@ -2,6 +2,7 @@
 host decode reads, from a real engine's trace (neo-tiny on the CPU, async host pipeline); and
 the label each run is reported under."""
 
+import contextlib
 import dataclasses
 from statistics import median as statistics_median
 
@@ -19,10 +20,10 @@ def offload():
     return benchmark_module("offload")
 
 
-def traced_run(tmp_path, policy: str, gpu_blocks: int = 10,
-               late_prompts: int = 0) -> tuple[list[dict], LLMEngine]:
-    """The run's records; ``late_prompts`` more requests arrive after the third iteration (once
-    neo decodes on the host here)."""
+@contextlib.contextmanager
+def traced_engine(tmp_path, policy: str, gpu_blocks: int = 10, late_prompts: int = 0):
+    """Yields (the run's records, the engine, still open); ``late_prompts`` more requests arrive
+    after the third iteration (once neo decodes on the host here)."""
     engine = LLMEngine(EngineConfig(model="neo-tiny", device="cpu", policy=policy, host_pipeline="async",
                                     gpu_kv_cache_gib=gib_for_blocks(gpu_blocks), cpu_kv_cache_gib=gib_for_blocks(256),
                                     perf_model="zero", max_num_seqs=8, trace_path=str(tmp_path / "trace.json")))
@@ -37,9 +38,16 @@ def traced_run(tmp_path, policy: str, gpu_blocks: int = 10,
                 for index, prompt in enumerate(late):
                     engine.add_request(prompt, params, request_id=f"late-{index}")
                 late = []
-        return [dataclasses.asdict(record) for record in engine.trace.records], engine
+        yield [dataclasses.asdict(record) for record in engine.trace.records], engine
     finally:
         engine.close()
+
+
+def traced_run(tmp_path, policy: str, gpu_blocks: int = 10,
+               late_prompts: int = 0) -> tuple[list[dict], LLMEngine]:
+    """The run's records and its engine, closed."""
+    with traced_engine(tmp_path, policy, gpu_blocks, late_prompts) as (records, engine):
+        return records, engine
 
 
 def test_host_batches_decode_rate_and_kv_bytes_per_host_decode(offload, tmp_path):
