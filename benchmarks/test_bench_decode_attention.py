@@ -19,6 +19,10 @@ In cache: the small host-batch points again, with one K/V set read on every call
 batch's attention reads a layer's K/V that it may have touched recently. These rows are
 labelled as such: part of the bytes come from the last-level cache.
 
+Thread scaling: one long point from DRAM and, in cache, one sequence per thread, at 1, 2, 4, 8,
+all-but-one and all threads; the summary lists GB/s per thread. Where the rate from cache is no
+higher than the rate from DRAM, the threads' own work bounds the kernel, not the memory.
+
 K/V live in 2 MiB-aligned memory advised to use transparent huge pages
 (``neo.kv.host_memory.huge_page_zeros``, as the engine's host KV pool), the way a host KV cache
 should be allocated: blocks are scattered, so with 4 KiB pages nearly every block costs a TLB
