@@ -39,6 +39,7 @@ Run: pytest benchmarks/test_bench_decode_attention.py --benchmark-only
 defaults suit a host with tens of GiB).
 """
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -222,13 +223,22 @@ def rotated_case(working_set: KVWorkingSet, point) -> DecodeCase:
     return case
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to ``count`` for the block, restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(params=THREAD_COUNTS, ids=lambda threads: f"{threads}threads")
 def threads(request):
     """Runs the test on this many torch threads (all cores, and all but one)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+    with torch_threads(request.param):
+        yield request.param
 
 
 @pytest.fixture
@@ -321,10 +331,8 @@ def test_paged_decode_attention_in_cache(benchmark, measure, benchmark_summary, 
 @pytest.fixture(params=SCALING_THREADS, ids=lambda threads: f"{threads}threads")
 def scaling_threads(request):
     """Runs the test on this many torch threads (1, 2, 4, 8, all cores but one, all)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+    with torch_threads(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("source", [DRAM, IN_CACHE])
