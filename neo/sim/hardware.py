@@ -113,7 +113,7 @@ PRESETS: dict[str, Hardware] = {
     # This project's other machine: H200 (SXM, 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16:
     # NVIDIA H200 datasheet) at the H100's measured fractions of its spec, 139 GiB visible to
     # CUDA; PCIe as the H100's; host: 16 cores of a Xeon (family 6 model 207), 128 GiB, read probe
-    # 91-103 GB/s at 15-16 threads and 10-13 GB/s on one thread (twenty-fifth session, RESULTS.md),
+    # 86-103 GB/s at 15-16 threads and 10-13 GB/s on one thread (twenty-fifth session, RESULTS.md),
     # the H100 host's step overheads.
     "h200": Hardware(name="h200", gpu_memory_gib=139.0, hbm_gbps=4800 * COPY_FRACTION,
                      bf16_tflops=989 * GEMM_FRACTION, fp16_tflops=989 * GEMM_FRACTION, pcie_h2d_gbps=55.0,
