@@ -35,9 +35,9 @@ read bandwidth (a ``torch.sum`` probe over a rotated buffer of ``--read-probe-gi
 engine's host attention threads, ``read_probe.py``) over the K/V bytes a host decode read on
 average (its context's K and V over every layer); and how the host batches' time splits: the
 share in which the host functions ran (the host attending) and the K/V read rate while they ran;
-and, right after each run, the same CPU kernel alone on a sample of its host batches' shapes, over
-the engine's host pool on its threads (``host_kernel_alone.py``): in the engine over alone is the
-hand-off's cost to the host.
+and, right after each run to completion, the same CPU kernel alone on a sample of its host
+batches' shapes, over the engine's host pool on its threads (``host_kernel_alone.py``): in the
+engine over alone is the hand-off's cost to the host.
 How much host batches slow the GPU's iterations beside them: the graph-replayed decodes' median
 seconds and the prefills' median milliseconds per 1000 prompt tokens, planned beside a batch
 and with none in flight.
@@ -248,7 +248,9 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                 result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
                 layout = engine.kv_cache.layout
                 result["host_side"] = host_side(records, layout.block_bytes // layout.block_size)
-                result["kernel_alone"] = replay_host_batches(engine, records) if result["host_side"] else None
+                # A run cut short may leave a host batch attending: the replay waits for a whole run.
+                result["kernel_alone"] = (replay_host_batches(engine, records)
+                                          if result["host_side"] and not result["cut_short"] else None)
                 if traces_directory is not None:
                     result["trace_file"] = save_trace(traces_directory, config, workload, records)
                 result.pop("summary")
