@@ -16,6 +16,8 @@
 4. The NEO paper's (MLSys'25) figures against simulations of its machines and workload shapes.
 5. Two ranks: Llama-3.1-70B shapes on two GPUs, measured against simulated with the rank
    profile measured there (``neo/sim/profiles``), end to end and gpu-only's own throughput.
+6. One H200: the offloading scenarios run to completion there, measured against simulated from
+   the ``h200`` preset alone, end to end and gpu-only's own throughput.
 
 CPU only; about a minute.
 
@@ -89,6 +91,22 @@ H100_WHOLE_RUNS = [
      1564.1 / 1342.4, "2026-11-27 nineteenth session, 969c527"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
      490.2 / 325.2, "2026-11-27 nineteenth session, 969c527"),
+]
+
+
+# One H200 with a 16-core host (the ``h200`` preset), every request to completion: (label, scenario
+# settings, requests, measured gpu-only output tokens/s, the neo runs' beside it, where measured).
+H200_WHOLE_RUNS = [
+    ("8B poor 1000/300", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=300", **POOR), 100,
+     1631.6, (1830.9, 1831.8, 1825.6), "2026-11-27 twenty-second session, start G, b7ac6cb and c3b700d"),
+    ("8B poor 1000/300", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=300", **POOR), 100,
+     1626.7, (1810.2,), "2026-11-27 twenty-second session, start E, b7ac6cb"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2839.6, (2812.1, 2765.9, 2899.6),
+     "2026-11-27 twenty-second session, start H, b7ac6cb and c3b700d"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2847.8, (2794.0,),
+     "2026-11-27 twenty-second session, start E, b7ac6cb"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
+     408.7, (588.8,), "2026-11-27 twenty-second session, start E, b7ac6cb"),
 ]
 
 
@@ -191,6 +209,23 @@ def h100_scenarios() -> None:
     print()
 
 
+def h200_whole_runs() -> None:
+    hardware = preset("h200")
+    print("## H200 whole runs to completion: neo / gpu-only end to end, measured vs simulated from the "
+          "h200 preset\n")
+    print("| scenario | requests | measured | simulated (error against their mean) | gpu-only tok/s, measured / "
+          "simulated (error) |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, settings, requests, gpu_only, neo, source in H200_WHOLE_RUNS:
+        results = simulate(settings, hardware, requests, None)
+        measured = [tokens / gpu_only for tokens in neo]
+        simulated, predicted_gpu_only = ratios(results)[1], results[0].output_tokens_per_s
+        print(f"| {label} | {requests} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | "
+              f"{simulated:.2f}x ({simulated / statistics.mean(measured) - 1:+.0%}) | {gpu_only:.1f} / "
+              f"{predicted_gpu_only:.1f} ({predicted_gpu_only / gpu_only - 1:+.0%}) |")
+    print()
+
+
 def iteration_times() -> None:
     """Simulated against measured iteration and host batch times (medians)."""
     print("## Iteration and host batch times, simulated vs measured (medians)\n")
@@ -286,13 +321,15 @@ def two_ranks() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="stages,h100,iterations,paper,two-ranks",
-                        help="comma-separated: stages, h100, iterations, paper, two-ranks")
+    parser.add_argument("--sections", default="stages,h100,h200,iterations,paper,two-ranks",
+                        help="comma-separated: stages, h100, h200, iterations, paper, two-ranks")
     sections = parser.parse_args().sections.split(",")
     if "stages" in sections:
         stage_table_comparison()
     if "h100" in sections:
         h100_scenarios()
+    if "h200" in sections:
+        h200_whole_runs()
     if "iterations" in sections:
         iteration_times()
     if "paper" in sections:
