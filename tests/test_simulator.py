@@ -420,8 +420,8 @@ def test_a_host_batch_that_completes_during_an_iteration_launched_ahead_is_follo
 
 
 def test_bad_hardware_and_overrides_are_clear_errors():
-    with pytest.raises(ValueError, match="unknown hardware 'h200'; choose one of h100, a100, g4dn.4xlarge"):
-        preset("h200")
+    with pytest.raises(ValueError, match="unknown hardware 'b200'; choose one of h100, h200, a100, g4dn.4xlarge"):
+        preset("b200")
     with pytest.raises(ValueError, match="host_read_gbps must be >= 0, got -5"):
         with_overrides(preset("h100"), {"host_read_gbps": -5})
     with pytest.raises(ValueError, match="unknown hardware field 'cores'"):
