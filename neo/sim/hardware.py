@@ -98,6 +98,11 @@ A10G = dict(gpu_memory_gib=22.2, hbm_gbps=600 * COPY_FRACTION, bf16_tflops=70 * 
 # (an estimate for a Zen 2 core, two threads sharing it).
 G5_READ_GBPS = {8: 24.0, 16: 40.0, 32: 65.0, 64: 100.0}
 
+# Host work a step not planned ahead makes the GPU wait for on the H100 machine: the 8B gpu-only
+# decode iteration with async scheduling off, less with it on (engine_roofline on the H100): 1.70
+# ms at 64 requests, 2.66 ms at 256.
+H100_HOST_STEP = {"sync_step_us": 1380.0, "sync_step_request_us": 5.1}
+
 PRESETS: dict[str, Hardware] = {
     # This project's machine: H100 80GB HBM3 (SXM5) with a 16-core Xeon host (RESULTS.md):
     # device copy bandwidth 3.03 TB/s and bf16 GEMM 791 TFLOP/s measured; 79.2 GiB visible to
@@ -107,9 +112,7 @@ PRESETS: dict[str, Hardware] = {
     "h100": Hardware(name="h100", gpu_memory_gib=79.2, hbm_gbps=3030.0, bf16_tflops=791.0, fp16_tflops=791.0,
                      pcie_h2d_gbps=55.0, pcie_d2h_gbps=55.0, host_cores=16, host_read_gbps=104.0,
                      host_read_gbps_per_thread=13.0, host_memory_gib=256.0,
-                     # The 8B gpu-only decode iteration with async scheduling off, less with it on
-                     # (engine_roofline on the H100): 1.70 ms at 64 requests, 2.66 ms at 256.
-                     sync_step_us=1380.0, sync_step_request_us=5.1),
+                     **H100_HOST_STEP),
     # This project's other machine: H200 (SXM, 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16:
     # NVIDIA H200 datasheet) at the H100's measured fractions of its spec, 139 GiB visible to
     # CUDA; PCIe as the H100's; host: 16 cores of a Xeon (family 6 model 207), 128 GiB, read probe
@@ -118,7 +121,7 @@ PRESETS: dict[str, Hardware] = {
     "h200": Hardware(name="h200", gpu_memory_gib=139.0, hbm_gbps=4800 * COPY_FRACTION,
                      bf16_tflops=989 * GEMM_FRACTION, fp16_tflops=989 * GEMM_FRACTION, pcie_h2d_gbps=55.0,
                      pcie_d2h_gbps=55.0, host_cores=16, host_read_gbps=97.0, host_read_gbps_per_thread=12.0,
-                     host_memory_gib=128.0, sync_step_us=1380.0, sync_step_request_us=5.1),
+                     host_memory_gib=128.0, **H100_HOST_STEP),
     # A100 80GB SXM4 server: 2039 GB/s, 312 TFLOP/s dense bf16/fp16 (NVIDIA A100 datasheet),
     # PCIe Gen4 x16 (32 GB/s per direction, 25 achieved); host: 32 cores of a two-socket EPYC
     # 7003 server (a typical 8-GPU server gives each GPU 16-32 cores), 8 channels DDR4-3200
