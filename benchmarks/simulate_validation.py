@@ -107,6 +107,11 @@ H200_WHOLE_RUNS = [
      "2026-11-27 twenty-second session, start E, b7ac6cb"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
      408.7, (588.8,), "2026-11-27 twenty-second session, start E, b7ac6cb"),
+    ("8B poor 1000/300", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=300", **POOR), 100,
+     1619.5, (1865.2,), "2026-11-28 twenty-sixth session, c0f880d"),
+    ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2768.3, (2828.6,), "2026-11-28 twenty-sixth session, c0f880d"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
+     418.3, (624.8, 629.3), "2026-11-28 twenty-sixth session, c0f880d"),
 ]
 
 
