@@ -116,7 +116,11 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
 
     const int64_t num_threads = at::get_num_threads();
     const AttentionPlan plan = plan_attention(seq_lens, num_seqs, num_threads);
-    std::vector<float> partials(plan.num_partials * partial_floats);
+    // Left uninitialized, as is each thread's scratch below: a chunk's kernel call writes its
+    // whole partial (and the scaled query) before anything reads it. Zeroing them first would be
+    // a serial memset of up to a few hundred KiB per call (one partial per chunk of a split
+    // sequence), on the critical path of the small host batches.
+    const std::unique_ptr<float[]> partials(new float[plan.num_partials * partial_floats]);
     const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
     auto token_range = [&](int64_t index) {
         if (index >= num_chunks) return ispc::TokenRange{block_table, 0, 0};
@@ -140,8 +144,8 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
     // Each thread takes chunks from the shared counter, one ahead of the one it works on, so
     // that the kernel can prefetch the start of its next chunk.
     at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-        std::vector<float> scratch(query_floats + partial_floats);
-        float* scaled_query = scratch.data();
+        const std::unique_ptr<float[]> scratch(new float[query_floats + partial_floats]);
+        float* scaled_query = scratch.get();
         float* whole_sequence_partial = scaled_query + query_floats;
         bool first_chunk = true;
         for (int64_t index = next_chunk++; index < num_chunks; first_chunk = false) {
@@ -151,7 +155,7 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
             const ispc::TokenRange next_range = token_range(following);
             float* partial = chunk.partial_index < 0
                                  ? whole_sequence_partial
-                                 : partials.data() + chunk.partial_index * partial_floats;
+                                 : partials.get() + chunk.partial_index * partial_floats;
             kernels.attend_chunk(queries + chunk.sequence * query_floats, keys, values,
                                  block_size_log2, num_kv_heads, head_dim, group,
                                  static_cast<float>(scale), &range, &next_range, first_chunk,
@@ -165,7 +169,7 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
                 // acq_rel: the merging thread sees every other chunk's partial of the sequence.
                 if (chunks_left[split_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
                     const SplitSequence& split = plan.split_sequences[split_index];
-                    kernels.merge_partials(partials.data() + split.first_partial * partial_floats,
+                    kernels.merge_partials(partials.get() + split.first_partial * partial_floats,
                                            split.count, num_heads, head_dim,
                                            outputs + split.sequence * query_floats);
                 }
