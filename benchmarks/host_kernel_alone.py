@@ -43,7 +43,6 @@ def replay_host_batches(engine, records: list[dict], samples: int = 16, seed: in
     layout = engine.kv_cache.layout
     kernel = host_kernels(engine.config.cpu_attention_kernel).attention.function
     num_heads = engine.model.rank_config.num_heads
-    bytes_per_token = layout.block_bytes // layout.block_size
     generator = torch.Generator().manual_seed(seed)
 
     def attend_every_layer(query, block_table, seq_lens) -> float:
@@ -64,15 +63,18 @@ def replay_host_batches(engine, records: list[dict], samples: int = 16, seed: in
         block_table = blocks.to(torch.int32).view(batch["host_decodes"], blocks_per_sequence)
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         query = torch.randn(batch["host_decodes"], num_heads, layout.head_dim, generator=generator).to(layout.dtype)
+        def replay():
+            return attend_every_layer(query, block_table, seq_lens)
+
         if not replayed:  # the first call on the thread starts its pool's threads: not timed
-            engine.worker.submit(lambda: attend_every_layer(query, block_table, seq_lens)).result()
-        alone_seconds += engine.worker.submit(lambda: attend_every_layer(query, block_table, seq_lens)).result()
+            engine.worker.submit(replay).result()
+        alone_seconds += engine.worker.submit(replay).result()
         engine_seconds += batch["host_busy_seconds"]
         context_tokens += batch["host_context_tokens"]
         replayed += 1
     if not replayed:
         return None
-    kv_bytes = context_tokens * bytes_per_token
+    kv_bytes = context_tokens * layout.token_bytes
     return {"batches": replayed, "engine_seconds": engine_seconds, "alone_seconds": alone_seconds,
             "engine_over_alone": engine_seconds / alone_seconds,
             "kv_read_gbps_engine": kv_bytes / engine_seconds / 1e9,

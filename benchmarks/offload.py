@@ -247,7 +247,7 @@ def run_policy(base: EngineConfig, workloads: list[str], num_requests: int, dura
                 interference = getattr(engine.scheduler.placement, "interference", None)  # async host pipeline
                 result["trace"]["gpu_slowdown_beside_host_batches"] = interference.factor if interference else None
                 layout = engine.kv_cache.layout
-                result["host_side"] = host_side(records, layout.block_bytes // layout.block_size)
+                result["host_side"] = host_side(records, layout.token_bytes)
                 # A run cut short may leave a host batch attending: the replay waits for a whole run.
                 result["kernel_alone"] = (replay_host_batches(engine, records)
                                           if result["host_side"] and not result["cut_short"] else None)

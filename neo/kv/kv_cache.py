@@ -32,6 +32,11 @@ class CacheLayout:
         """Bytes of one block over all layers, K and V."""
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V over all layers."""
+        return self.block_bytes // self.block_size
+
     @classmethod
     def for_budgets(cls, model: ModelConfig, dtype: torch.dtype, block_size: int,
                     gpu_bytes: int, host_bytes: int) -> "CacheLayout":
