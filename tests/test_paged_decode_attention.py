@@ -7,6 +7,7 @@ part of a sequence shows up as a NaN or a crash.
 """
 
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -430,3 +431,38 @@ def test_numba_exp():
     expected = torch.exp(x.double())
     assert ((result - expected).abs() / expected).max() < 1e-5
     assert exp_all(np.array([-np.inf, -200.0, -1e30], np.float32)).tolist() == [0.0, 0.0, 0.0]
+
+
+WIDTH_SCRIPT = """
+import torch
+import neo.ops
+from neo.ops import numba_kernels
+q = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+cache = torch.randn(2, 2, 16, 128, dtype=torch.bfloat16)
+torch.ops.neo_numba.paged_decode_attention(torch.empty_like(q), q, cache, cache,
+                                           torch.tensor([[0, 1]], dtype=torch.int32),
+                                           torch.tensor([20], dtype=torch.int32), 0.125)
+for name in ("_scores_four_heads", "_online_softmax", "_accumulate_four_heads"):
+    assembly = "".join(getattr(numba_kernels, name).inspect_asm().values())
+    print(name, assembly.count("%zmm"))
+"""
+
+
+def test_numba_loops_use_512_bit_vectors_under_intel_tuning(tmp_path):
+    """Compiled for an Intel server core, whose LLVM tuning prefers 256-bit vectors, the
+    kernel's loops still use the 512-bit registers (zmm) the target has."""
+    numba_kernels_or_skip()
+    import llvmlite.binding as llvm
+
+    if "+avx512f" not in llvm.get_host_cpu_features().flatten().split(","):
+        pytest.skip("this CPU has no AVX-512: its code cannot use 512-bit vectors")
+    # the host's features with the CPU name of an Intel server core: its tuning, this
+    # machine's instructions
+    environment = {**os.environ, "NUMBA_CPU_NAME": "sapphirerapids",
+                   "NUMBA_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", WIDTH_SCRIPT], capture_output=True, text=True,
+                            timeout=600, env=environment)
+    assert result.returncode == 0, result.stderr
+    counts = dict(line.split() for line in result.stdout.splitlines())
+    assert set(counts) == {"_scores_four_heads", "_online_softmax", "_accumulate_four_heads"}
+    assert all(int(count) > 0 for count in counts.values()), counts
