@@ -67,6 +67,9 @@ SCALING_THREADS = sorted({count for count in (1, 2, 4, 8, *THREAD_COUNTS) if cou
 DTYPES = (torch.bfloat16, torch.float16)
 # Rounds are chosen so that one benchmark takes about --seconds-per-benchmark, within these bounds.
 MIN_ROUNDS, MAX_ROUNDS = 3, 50
+# Before them, after the first call, a benchmark warms up for at least this many calls and this
+# share of its time.
+WARMUP_CALLS, WARMUP_SHARE = 3, 0.1
 # The working set is filled by tiling one random chunk of this many elements.
 FILL_CHUNK_ELEMENTS = 1 << 22
 
@@ -243,16 +246,28 @@ def threads(request):
 
 @pytest.fixture
 def measure(benchmark, seconds_per_benchmark):
-    """``measure(function)`` runs ``function`` under pytest-benchmark for about
-    ``seconds_per_benchmark``; returns the fastest round in seconds."""
+    """``measure(function)`` warms ``function`` up, then runs it under pytest-benchmark for about
+    ``seconds_per_benchmark``; returns the fastest round in seconds.
+
+    The first call of a kernel in a process compiles or loads it, and the calls after it can
+    stay slow for tens of milliseconds while thread pools settle (numba's, beside torch's threads
+    still spinning after the probe). So the first call is followed by at least WARMUP_CALLS
+    calls and WARMUP_SHARE of the benchmark's time, and the number of rounds follows from the
+    last of them.
+    """
 
     def run(function) -> float:
-        start = time.perf_counter()
         function()
-        first = time.perf_counter() - start
+        calls, warmup_start = 0, time.perf_counter()
+        while calls < WARMUP_CALLS or \
+                time.perf_counter() - warmup_start < WARMUP_SHARE * seconds_per_benchmark:
+            call_start = time.perf_counter()
+            function()
+            last = time.perf_counter() - call_start
+            calls += 1
         rounds = max(MIN_ROUNDS, min(MAX_ROUNDS,
-                                     math.ceil(seconds_per_benchmark / max(first, 1e-6))))
-        benchmark.pedantic(function, rounds=rounds, warmup_rounds=1, iterations=1)
+                                     math.ceil(seconds_per_benchmark / max(last, 1e-6))))
+        benchmark.pedantic(function, rounds=rounds, iterations=1)
         return benchmark.stats.stats.min
 
     return run
