@@ -112,6 +112,14 @@ H200_WHOLE_RUNS = [
     ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2768.3, (2828.6,), "2026-11-28 twenty-sixth session, c0f880d"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
      418.3, (624.8, 629.3), "2026-11-28 twenty-sixth session, c0f880d"),
+    ("8B poor 1000/50", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=50", **POOR), 100,
+     1073.8, (1058.8,), "2026-11-28 twenty-seventh session, start AA, c1c9fb1; one engine served 50, 100, 200"),
+    ("8B poor 1000/100", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=100", **POOR), 100,
+     1419.9, (1497.4,), "2026-11-28 twenty-seventh session, start AA, c1c9fb1"),
+    ("8B poor 1000/200", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=200", **POOR), 100,
+     1639.3, (1748.2,), "2026-11-28 twenty-seventh session, start AA, c1c9fb1"),
+    ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
+     405.6, (579.9,), "2026-11-28 twenty-seventh session, start AA, c1c9fb1"),
 ]
 
 
