@@ -17,7 +17,8 @@
 5. Two ranks: Llama-3.1-70B shapes on two GPUs, measured against simulated with the rank
    profile measured there (``neo/sim/profiles``), end to end and gpu-only's own throughput.
 6. One H200: the offloading scenarios run to completion there, measured against simulated from
-   the ``h200`` preset alone, end to end and gpu-only's own throughput.
+   the ``h200`` preset alone and with the model's table measured on an H200 (``neo/sim/profiles``),
+   end to end and gpu-only's own throughput.
 
 CPU only; about a minute.
 
@@ -36,6 +37,9 @@ from neo.sim.stage_times import StageModel, synthesize_table
 
 PROFILE = str(resources.files("neo.sim.profiles").joinpath("qwen2.5-32b-h100-profile.json"))
 PROFILE_70B_TP2 = str(resources.files("neo.sim.profiles").joinpath("llama-3.1-70b-tp2-h200-profile.json"))
+# Tables measured on one H200 machine (twenty-seventh session, start AA), per model.
+PROFILES_H200 = {model: str(resources.files("neo.sim.profiles").joinpath(f"{model}-h200-profile.json"))
+                 for model in ("llama-3.1-8b", "qwen2.5-32b")}
 POOR = dict(gpu_kv_cache_gib=2.0, cpu_kv_cache_gib=64.0, max_num_seqs=512, max_model_len=4096)
 
 # (label, scenario settings, requests, seconds, measured neo/gpu-only ratios, where measured). The
@@ -225,17 +229,20 @@ def h100_scenarios() -> None:
 def h200_whole_runs() -> None:
     hardware = preset("h200")
     print("## H200 whole runs to completion: neo / gpu-only end to end, measured vs simulated from the "
-          "h200 preset\n")
-    print("| scenario | requests | measured | simulated (error against their mean) | gpu-only tok/s, measured / "
-          "simulated (error) |")
-    print("| --- | --- | --- | --- | --- |")
+          "h200 preset alone and with the model's table measured on an H200 (PROFILES_H200)\n")
+    print("| scenario | requests | measured | preset: simulated (error against their mean) | gpu-only tok/s, "
+          "measured / simulated (error) | H200 table: simulated (error) | gpu-only tok/s simulated (error) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, settings, requests, gpu_only, neo, source in H200_WHOLE_RUNS:
-        results = simulate(settings, hardware, requests, None)
         measured = [tokens / gpu_only for tokens in neo]
-        simulated, predicted_gpu_only = ratios(results)[1], results[0].output_tokens_per_s
-        print(f"| {label} | {requests} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | "
-              f"{simulated:.2f}x ({simulated / statistics.mean(measured) - 1:+.0%}) | {gpu_only:.1f} / "
-              f"{predicted_gpu_only:.1f} ({predicted_gpu_only / gpu_only - 1:+.0%}) |")
+        cells = []
+        for profile in (None, PROFILES_H200[settings["model"]]):
+            results = simulate(settings, hardware, requests, None, profile)
+            simulated, predicted_gpu_only = ratios(results)[1], results[0].output_tokens_per_s
+            cells.append(f"{simulated:.2f}x ({simulated / statistics.mean(measured) - 1:+.0%})")
+            cells.append(f"{predicted_gpu_only:.1f} ({predicted_gpu_only / gpu_only - 1:+.0%})")
+        print(f"| {label} | {requests} | {' / '.join(f'{m:.2f}x' for m in measured)} ({source}) | {cells[0]} | "
+              f"{gpu_only:.1f} / {cells[1]} | {cells[2]} | {cells[3]} |")
     print()
 
 

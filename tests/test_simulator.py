@@ -516,3 +516,25 @@ def test_steps_not_planned_ahead_make_the_gpu_wait_for_the_host():
     ahead, _ = run(busy, True)
     assert synchronous == pytest.approx(base + len(steps) * 0.010 + sum(steps) * 100e-6, rel=1e-9)
     assert ahead == pytest.approx(base + 0.010 + steps[0] * 100e-6, rel=1e-9)
+
+
+SHIPPED_TABLES = sorted(entry.name for entry in resources.files("neo.sim.profiles").iterdir()
+                        if entry.name.endswith("-profile.json"))
+
+
+@pytest.mark.parametrize("name", SHIPPED_TABLES)
+def test_each_shipped_table_is_of_the_model_and_gpu_its_name_says(name):
+    """``<model>[-tp<N>]-<gpu>-profile.json``: the table's key names the model's shape, the GPU
+    and the rank count, so a simulation given it prices the model it is for."""
+    table = json.loads(resources.files("neo.sim.profiles").joinpath(name).read_text())
+    stem = name.removesuffix("-profile.json")
+    stem, gpu = stem.rsplit("-", 1)
+    model_name, _, ranks = stem.partition("-tp")
+    model = resolve_model_config(model_name)
+    key = table["key"]
+    assert key["model_shape"] == [model.architecture, model.hidden_size, model.intermediate_size,
+                                  model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
+                                  model.vocab_size]
+    assert gpu.upper() in key["device"].upper().replace(" ", "")
+    assert key.get("tensor_parallel_size", 1) == (int(ranks) if ranks else 1)
+    assert len(table["host_attention_seconds"]) == len(table["host_attention_tokens"]) > 0
