@@ -26,6 +26,8 @@ import torch
 from read_probe import PROBE_ROUNDS, PROBE_SLICES, ReadProbe
 
 GIB = 1 << 30
+# The kernel whose time the summary also gives every other row's as a multiple of.
+REFERENCE_KERNEL = "ispc"
 # The working set: this many GiB unless --kv-working-set-gib says otherwise, and never less than
 # MIN_CACHE_MULTIPLE times the last-level cache or MIN_WORKING_SET_GIB.
 DEFAULT_WORKING_SET_GIB = 8.0
@@ -196,6 +198,15 @@ def benchmark_summary(request, working_set_bytes) -> BenchmarkSummary:
     return summary
 
 
+def times_reference(row: SummaryRow, reference_ms: dict) -> str:
+    """The row's time over the REFERENCE_KERNEL row's at the same source, threads, shape and dtype
+    ("1.84x"), or "-" for that kernel's own rows and rows it has no match for."""
+    reference = reference_ms.get((row.source, row.threads, row.shape, row.dtype))
+    if row.implementation == REFERENCE_KERNEL or reference is None:
+        return "-"
+    return f"{row.milliseconds / reference:.2f}x"
+
+
 def shape_order(shape: str) -> tuple:
     """'16x4096' sorts by its numbers; other labels after them."""
     parts = shape.split("x")
@@ -217,7 +228,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
           f"Read probe: float32 torch.sum, a different 1/{PROBE_SLICES} of a "
           f"{summary.working_set_bytes / GIB:.1f} GiB buffer each call, fastest of "
           f"{PROBE_ROUNDS * PROBE_SLICES}, timed right after each row's kernel on its threads")
-    write("% probe: the kernel's K/V bytes per second over that probe's")
+    write(f"% probe: the kernel's K/V bytes per second over that probe's; x {REFERENCE_KERNEL}: the "
+          f"row's time over the {REFERENCE_KERNEL} row's on the same threads, shape, dtype and source")
+    reference_ms = {(row.source, row.threads, row.shape, row.dtype): row.milliseconds
+                    for row in summary.rows if row.implementation == REFERENCE_KERNEL}
     for source, title in ((DRAM, "from DRAM (rotated working set)"),
                           (IN_CACHE, "in cache (one small K/V set read on every call: partly "
                                      "served from the last-level cache, not a DRAM figure)")):
@@ -227,10 +241,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write("")
         write(title)
         write(f"{'threads':>7}  {'implementation':<20}{'shape':<11}{'dtype':<10}{'ms':>9}"
-              f"{'GB/s':>9}{'/thread':>9}{'probe':>9}{'% probe':>9}")
+              f"{'GB/s':>9}{'/thread':>9}{'probe':>9}{'% probe':>9}{'x ' + REFERENCE_KERNEL:>9}")
         for row in sorted(rows, key=lambda row: (-row.threads, shape_order(row.shape), row.dtype,
                                                  row.implementation)):
             write(f"{row.threads:>7}  {row.implementation:<20}{row.shape:<11}{row.dtype:<10}"
                   f"{row.milliseconds:>9.2f}{row.gigabytes_per_second:>9.1f}"
                   f"{row.gigabytes_per_second / row.threads:>9.2f}"
-                  f"{row.probe_gigabytes_per_second:>9.1f}{row.percent_of_probe:>8.0f}%")
+                  f"{row.probe_gigabytes_per_second:>9.1f}{row.percent_of_probe:>8.0f}%"
+                  f"{times_reference(row, reference_ms):>9}")

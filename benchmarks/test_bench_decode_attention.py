@@ -13,7 +13,8 @@ slice, and each benchmark continues where the previous one stopped, so every sli
 one read least recently, long evicted from the caches. Each result records the GB/s of K and V
 bytes read and its share of the read probe (a float32 torch.sum that reads a buffer of the same
 size in the same rotation), timed right after it at the same thread count, in
-``benchmark.extra_info``; a compact table is printed at the end of the session.
+``benchmark.extra_info``; a compact table is printed at the end of the session, with each other
+kernel's time also as a multiple of ISPC's at the same point.
 
 In cache: the small host-batch points again, with one K/V set read on every call, as a host
 batch's attention reads a layer's K/V that it may have touched recently. These rows are
