@@ -108,6 +108,13 @@ class ModelConfig:
                                  f"{self.rope_scaling}")
 
     @property
+    def shape_key(self) -> list:
+        """The shapes a stage-time table depends on, as its key names them: architecture, hidden
+        and intermediate size, layers, query and KV heads, head_dim, vocabulary."""
+        return [self.architecture, self.hidden_size, self.intermediate_size, self.num_layers,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size]
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -532,9 +532,7 @@ def test_each_shipped_table_is_of_the_model_and_gpu_its_name_says(name):
     model_name, _, ranks = stem.partition("-tp")
     model = resolve_model_config(model_name)
     key = table["key"]
-    assert key["model_shape"] == [model.architecture, model.hidden_size, model.intermediate_size,
-                                  model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
-                                  model.vocab_size]
+    assert key["model_shape"] == model.shape_key
     assert gpu.upper() in key["device"].upper().replace(" ", "")
     assert key.get("tensor_parallel_size", 1) == (int(ranks) if ranks else 1)
     assert len(table["host_attention_seconds"]) == len(table["host_attention_tokens"]) > 0

@@ -170,8 +170,7 @@ class Profiler:
         batch_order = {"host_batch_order": order.name} if order is not HOST_BATCH else {}
         synchronous = {} if self.schedules_ahead else {"schedules_ahead": False}
         return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | synchronous | {
-            "model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
-                            model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
+            "model_shape": model.shape_key,
             "dtype": str(self.layout.dtype).removeprefix("torch."),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "block_size": self.layout.block_size,

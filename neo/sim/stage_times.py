@@ -126,8 +126,7 @@ def synthesize_table(model: ModelConfig, hardware: Hardware, *, max_num_batched_
     if not stages.host_capable:
         host_requests = []
     table = PerfTable(
-        key={"model_shape": [model.architecture, model.hidden_size, model.intermediate_size, model.num_layers,
-                             model.num_heads, model.num_kv_heads, model.head_dim, model.vocab_size],
+        key={"model_shape": model.shape_key,
              "dtype": hardware.dtype, "device": f"synthesized: {hardware.name}", "block_size": block_size,
              "cpu_threads": hardware.host_attention_threads},
         linear_tokens=linear_tokens, linear_seconds=[stages.linear(t) for t in linear_tokens],
