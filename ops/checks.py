@@ -77,8 +77,33 @@ def check_cache_layout(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
              lambda: f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
 
 
+def _plainly_valid_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
+                                               scale) -> bool:
+    """Every condition of ``check_paged_decode_attention_args`` in one expression, without its
+    messages: True only where the check passes (a condition added there must be added here).
+    Arguments of the usual form are then accepted at a fraction of the check's cost, which
+    matters to a kernel called per layer on a few small tensors."""
+    q_shape, cache_shape, device = q.shape, k_cache.shape, q.device
+    return (q.dtype in FLOAT_DTYPES and k_cache.dtype == v_cache.dtype == out.dtype == q.dtype
+            and len(q_shape) == 3 and out.shape == q_shape
+            and len(cache_shape) == 4 and v_cache.shape == cache_shape
+            and MIN_BLOCK_SIZE <= cache_shape[2] <= MAX_BLOCK_SIZE and cache_shape[2] & (cache_shape[2] - 1) == 0
+            and 0 < cache_shape[3] <= MAX_HEAD_DIM and cache_shape[3] % 16 == 0
+            and q_shape[2] == cache_shape[3]
+            and cache_shape[1] >= 1 and q_shape[1] >= 1 and q_shape[1] % cache_shape[1] == 0
+            and block_table.dtype == seq_lens.dtype == torch.int32 and block_table.dim() == 2
+            and block_table.shape[0] == q_shape[0] and seq_lens.shape == (q_shape[0],)
+            and q.is_contiguous() and out.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.device == device and v_cache.device == device and out.device == device
+            and block_table.device == device and seq_lens.device == device
+            and -FLOAT32_MAX <= scale <= FLOAT32_MAX)
+
+
 def check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
                                       scale) -> None:
+    if _plainly_valid_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens, scale):
+        return
     op = "paged_decode_attention"
     check_cache_layout(op, k_cache, v_cache)
     _check_float_dtype(op, "q", q)

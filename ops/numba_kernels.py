@@ -19,11 +19,17 @@ Algorithm (flash-decoding on the CPU):
 3. **Merge.** A unit that is a whole sequence writes its normalized result directly. The units
    of a sequence split between threads are combined afterwards with a log-sum-exp merge.
 
-numba does not take float16 or bfloat16 arrays, so half-precision tensors are passed as bit
-patterns (bfloat16 as uint16, float16 as int16) and decoded in the kernel: bfloat16 is the upper
-half of a float32; float16 goes through the CPU's conversion instruction (F16C) or, on targets
-without it, is decoded from its IEEE fields (subnormals, infinities and NaN included). Results
-are written to a float32 array that torch converts into ``out``.
+numba does not take float16 or bfloat16 arrays, so the kernel sees half-precision tensors as bit
+patterns (bfloat16 as uint16, float16 as int16) and decodes them where it loads them: bfloat16 is
+the upper half of a float32; float16 goes through the CPU's conversion instruction (F16C) or, on
+targets without it, is decoded from its IEEE fields (subnormals, infinities and NaN included).
+Results are encoded into ``out``'s type where they are stored, rounded to nearest even as torch
+rounds.
+
+A call enters compiled code once. The kernel takes the tensors' addresses and shapes as plain
+integers, rather than numpy arrays that each cost a conversion, and makes its arrays over their
+memory; it checks the block table and lengths, plans, and runs a plan of one thread on the
+calling thread, without starting a parallel region.
 
 The machine code is compiled on first use, once per dtype, and kept in numba's on-disk cache
 when there is a writable place for it.
@@ -54,8 +60,9 @@ MIN_TOKEN_HEADS_PER_THREAD = 512
 CACHE_LINE_BYTES = 64
 
 # numba's fallback threading layer ("workqueue", used when neither TBB nor OpenMP is installed)
-# aborts the process when two threads launch parallel kernels at once. Launches are therefore
-# serialized; each launch uses every thread anyway.
+# aborts the process when two threads launch parallel kernels at once. Calls are therefore
+# serialized (whether a call launches one is decided in the kernel); a launch uses every thread
+# its plan can use anyway.
 _launch_lock = threading.Lock()
 
 
@@ -132,6 +139,29 @@ def _use_512_bit_vectors(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def _set_parallel_threads(typingctx, count):
+    """``numba.set_num_threads(count)`` from compiled code: the threads that the calling thread's
+    next parallel regions run on, ``1 <= count <= NUMBA_NUM_THREADS`` (not checked).
+
+    It calls the threading layer's ``set_num_threads``, which numba links into compiled code by
+    that name (as it does ``get_num_threads``, which its parallel regions read). numba's own
+    ``set_num_threads`` in compiled code calls it through a ctypes pointer, which would keep the
+    kernel out of the on-disk cache.
+    """
+    if not isinstance(count, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        int32 = ir.IntType(32)
+        set_num_threads = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [int32]), "set_num_threads")
+        builder.call(set_num_threads, [builder.trunc(arguments[0], int32)])
+        return context.get_dummy_value()
+
+    return types.void(count), codegen
+
+
 @njit(inline="always")
 def _decode_bfloat16(bits):
     """bfloat16 bit pattern (uint16) -> float32: the bits are the upper half of a float32."""
@@ -188,10 +218,11 @@ def _decode_float16(bits):
     return -magnitude if bits32 & np.uint32(0x8000) else magnitude
 
 
-# numba has no float16/bfloat16 arrays: the caches arrive as bit patterns, bfloat16 as uint16 and
-# float16 as int16, so that the element type alone says how to decode.
-_TORCH_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16,
-               torch.float16: torch.int16}
+# numba has no float16/bfloat16 arrays: the kernel sees the tensors' memory as arrays of float32,
+# or of bit patterns, bfloat16 as uint16 and float16 as int16, so that the element type alone says
+# how to decode and encode. A value of that type is what tells the kernel which one to compile.
+_ELEMENT_OF = {torch.float32: np.float32(0), torch.bfloat16: np.uint16(0),
+               torch.float16: np.int16(0)}
 
 
 def _to_float32(element):
@@ -210,6 +241,116 @@ def _to_float32_by_type(element):
                 types.uint16: lambda element: _decode_bfloat16(element),
                 types.int16: lambda element: _decode_float16(element)}
     return decoders.get(element)
+
+
+@intrinsic
+def _bits_of_float(typingctx, value):
+    """The bit pattern of the float32 ``value`` as a uint32 (``_float_from_bits`` inverted)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        return builder.bitcast(arguments[0], ir.IntType(32))
+
+    return types.uint32(value), codegen
+
+
+@njit(inline="always")
+def _encode_bfloat16(value):
+    """float32 -> bfloat16 bit pattern (uint16), rounded to nearest even as torch rounds.
+
+    The upper half of the float32, plus one where the lower half is more than half a unit, or
+    exactly half with an odd upper half (a carry into the exponent rounds up to infinity). A NaN
+    keeps its sign and upper payload, made quiet.
+    """
+    bits = _bits_of_float(value)
+    odd = np.uint32(np.uint32(bits >> np.uint32(16)) & np.uint32(1))
+    rounded = np.uint32(np.uint32(bits + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+    quiet_nan = np.uint32(np.uint32(bits >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16(quiet_nan if value != value else rounded)
+
+
+@intrinsic
+def _float32_to_float16_bits(typingctx, value):
+    """float32 -> IEEE float16 bit pattern (int16) by the CPU's conversion instruction, rounded
+    to nearest even.
+
+    Compiles to F16C's ``vcvtps2ph`` on x86; only for targets that have it (``HARDWARE_FLOAT16``).
+    """
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        return builder.bitcast(builder.fptrunc(arguments[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(value), codegen
+
+
+@njit(inline="always")
+def _encode_float16(value):
+    """float32 -> IEEE float16 bit pattern (int16), rounded to nearest even, subnormals,
+    infinities and NaN included.
+
+    The portable encoder, for targets without F16C. Branch-free, so that LLVM vectorizes it.
+    Magnitudes from 2**16 become infinity (a NaN a quiet NaN). Below 2**-14, float16's smallest
+    normal, adding 0.5 rounds the magnitude to a multiple of 2**-24, the spacing of float16's
+    subnormals and of the float32s in [0.5, 1): the low mantissa bits of the sum are then the
+    subnormal's. In between, the exponent is rebiased from 127 to 15 and the mantissa rounded from
+    23 to 10 bits, a carry into the exponent (up to infinity) included. Exact only without
+    fast-math flags, which could rewrite the addition of 0.5.
+    """
+    # as in _decode_float16, every step is cast back to 32 bits
+    bits = _bits_of_float(value)
+    magnitude = np.uint32(bits & np.uint32(0x7FFFFFFF))
+    odd = np.uint32(np.uint32(magnitude >> np.uint32(13)) & np.uint32(1))
+    normal = np.uint32(np.uint32(magnitude - np.uint32(112 << 23) + np.uint32(0xFFF) + odd)
+                       >> np.uint32(13))
+    subnormal = np.uint32(_bits_of_float(_float_from_bits(magnitude) + np.float32(0.5))
+                          - np.uint32(126 << 23))
+    overflow = np.uint32(0x7E00) if magnitude > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    half = subnormal if magnitude < np.uint32(113 << 23) else normal
+    half = overflow if magnitude >= np.uint32(143 << 23) else half
+    sign = np.uint32(np.uint32(bits >> np.uint32(16)) & np.uint32(0x8000))
+    return np.int16(np.uint16(half | sign))
+
+
+def _from_float32(value, array):
+    """The float32 ``value`` as an element of ``array``: float32 as is, bfloat16 bits for uint16,
+    float16 bits for int16, rounded to nearest even.
+
+    Only callable from numba-compiled code, which picks the encoding by the array's type.
+    """
+    raise TypeError("_from_float32 runs only inside numba-compiled code")
+
+
+@overload(_from_float32, inline="always")
+def _from_float32_by_type(value, array):
+    if array.dtype == types.int16 and HARDWARE_FLOAT16:
+        return lambda value, array: _float32_to_float16_bits(value)
+    encoders = {types.float32: lambda value, array: value,
+                types.uint16: lambda value, array: _encode_bfloat16(value),
+                types.int16: lambda value, array: _encode_float16(value)}
+    return encoders.get(array.dtype)
+
+
+@intrinsic
+def _pointer_to(typingctx, address, element):
+    """The integer ``address`` as a pointer to elements of ``element``'s type."""
+    if not isinstance(address, types.Integer) or not isinstance(element, types.Number):
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        return builder.inttoptr(arguments[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(element)(address, element), codegen
+
+
+@njit(inline="always")
+def _array_at(address, shape, element):
+    """The C-contiguous array of ``shape`` at ``address`` (a tensor's ``data_ptr()``), of
+    ``element``'s type. It does not own the memory, which its tensor must keep alive, and, having
+    no reference count, costs nothing to pass between threads."""
+    return numba.carray(_pointer_to(address, element), shape)
 
 
 # Polynomial for 2**f on [0, 1): least-squares fit with 2**0 = 1 exactly, relative error < 2e-7.
@@ -594,70 +735,93 @@ def _accumulate_values(weights, cache, block, kv_head, count, first_head, accumu
                              first_head + g)
 
 
-@_compiled(parallel=True, fastmath=FAST_MATH, nogil=True)
-def _decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_threads):
-    """Decode attention over the paged cache; returns float32 ``[num_seqs, num_heads, head_dim]``.
+@_compiled(nogil=True)
+def _store(values, out, seq):
+    """``out[seq] = values`` (float32 ``[num_heads, head_dim]``), encoded in ``out``'s element type.
 
-    ``q`` is ``[S, H, D]`` and the caches ``[B, KVH, BS, D]``, float32 or the bits of a half type
-    (see ``_to_float32``). ``block_table`` int32 ``[S, max_blocks]``, ``seq_lens`` int32 ``[S]``,
-    both already validated; ``num_threads`` threads run it.
+    Compiled without fast-math flags: the encoders' rounding relies on exact float arithmetic.
     """
-    num_seqs, num_heads, head_dim = q.shape
+    for head in range(values.shape[0]):
+        for d in range(values.shape[1]):
+            out[seq, head, d] = _from_float32(values[head, d], out)
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _attend_units(first_unit, end_unit, q, k_cache, v_cache, block_table, seq_lens, scale, plan,
+                  partials, out):
+    """Attend the units ``first_unit`` to ``end_unit`` of ``plan`` (see ``_plan``) on this thread.
+
+    A unit that is a whole sequence writes its result into ``out``; the others leave, per query
+    head, their unnormalized output, running max and running sum in ``partials`` (arrays
+    ``[num_units, num_heads, head_dim]``, ``[num_units, num_heads]`` and ``[num_units,
+    num_heads]``) for ``_merge_split_sequences``.
+    """
+    unit_seq, unit_first_block, unit_end_block, seq_units, _ = plan
+    partial_out, partial_max, partial_sum = partials
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    unit_seq, unit_first_block, unit_end_block, seq_units, thread_units = _plan(
-        seq_lens, block_size, num_kv_heads, num_threads)
-    num_units = unit_seq.shape[0]
-    result = np.empty((num_seqs, num_heads, head_dim), np.float32)
-    # for the units of split sequences, per query head: unnormalized output, running max,
-    # running sum of exponentials
-    partial_out = np.empty((num_units, num_heads, head_dim), np.float32)
-    partial_max = np.empty((num_units, num_heads), np.float32)
-    partial_sum = np.empty((num_units, num_heads), np.float32)
-
-    for thread in prange(thread_units.shape[0] - 1):
-        # per-thread working arrays (slicing an array shared by the threads would make them
-        # contend for its reference count)
-        queries = np.empty((num_heads, head_dim), np.float32)
-        accumulator = np.empty((num_heads, head_dim), np.float32)
-        running_max = np.empty(num_heads, np.float32)
-        running_sum = np.empty(num_heads, np.float32)
-        scores = np.empty((group, block_size), np.float32)
-        for unit in range(thread_units[thread], thread_units[thread + 1]):
-            seq = unit_seq[unit]
+    # the thread's own working arrays (slicing an array shared by the threads would make them
+    # contend for its reference count)
+    queries = np.empty((num_heads, head_dim), np.float32)
+    accumulator = np.empty((num_heads, head_dim), np.float32)
+    running_max = np.empty(num_heads, np.float32)
+    running_sum = np.empty(num_heads, np.float32)
+    scores = np.empty((group, block_size), np.float32)
+    for unit in range(first_unit, end_unit):
+        seq = unit_seq[unit]
+        for head in range(num_heads):
+            for d in range(head_dim):
+                queries[head, d] = _to_float32(q[seq, head, d]) * scale
+        accumulator[:] = 0.0
+        running_max[:] = -np.inf
+        running_sum[:] = 0.0
+        # block by block, all KV heads of a block in turn: the reads stay sequential
+        for block_index in range(unit_first_block[unit], unit_end_block[unit]):
+            block = block_table[seq, block_index]
+            # the blocks of a sequence are scattered, out of the hardware prefetcher's reach:
+            # each KV head of the next block is fetched while this block's is used
+            next_block = block_table[seq, min(block_index + 1, unit_end_block[unit] - 1)]
+            count = min(block_size, seq_lens[seq] - block_index * block_size)
+            for kv_head in range(num_kv_heads):
+                first_head = kv_head * group
+                _prefetch_rows(k_cache, next_block, kv_head)
+                _prefetch_rows(v_cache, next_block, kv_head)
+                _block_scores(queries, first_head, k_cache, block, kv_head, count, scores)
+                _online_softmax(scores, count, first_head, running_max, running_sum,
+                                accumulator)
+                _accumulate_values(scores, v_cache, block, kv_head, count, first_head,
+                                   accumulator)
+        if seq_units[seq + 1] - seq_units[seq] == 1:  # the whole sequence: final result
             for head in range(num_heads):
+                # read once: the compiler may then divide by multiplying with its reciprocal
+                total = running_sum[head]
                 for d in range(head_dim):
-                    queries[head, d] = _to_float32(q[seq, head, d]) * scale
-            accumulator[:] = 0.0
-            running_max[:] = -np.inf
-            running_sum[:] = 0.0
-            # block by block, all KV heads of a block in turn: the reads stay sequential
-            for block_index in range(unit_first_block[unit], unit_end_block[unit]):
-                block = block_table[seq, block_index]
-                # the blocks of a sequence are scattered, out of the hardware prefetcher's reach:
-                # each KV head of the next block is fetched while this block's is used
-                next_block = block_table[seq, min(block_index + 1, unit_end_block[unit] - 1)]
-                count = min(block_size, seq_lens[seq] - block_index * block_size)
-                for kv_head in range(num_kv_heads):
-                    first_head = kv_head * group
-                    _prefetch_rows(k_cache, next_block, kv_head)
-                    _prefetch_rows(v_cache, next_block, kv_head)
-                    _block_scores(queries, first_head, k_cache, block, kv_head, count, scores)
-                    _online_softmax(scores, count, first_head, running_max, running_sum,
-                                    accumulator)
-                    _accumulate_values(scores, v_cache, block, kv_head, count, first_head,
-                                       accumulator)
-            if seq_units[seq + 1] - seq_units[seq] == 1:  # the whole sequence: final result
-                for head in range(num_heads):
-                    for d in range(head_dim):
-                        result[seq, head, d] = accumulator[head, d] / running_sum[head]
-            else:
-                partial_out[unit] = accumulator
-                partial_max[unit] = running_max
-                partial_sum[unit] = running_sum
+                    accumulator[head, d] /= total
+            _store(accumulator, out, seq)
+        else:
+            partial_out[unit] = accumulator
+            partial_max[unit] = running_max
+            partial_sum[unit] = running_sum
 
-    # sequences split over threads (at most one per thread boundary): log-sum-exp merge
-    for seq in range(num_seqs):
+
+@_compiled(parallel=True, fastmath=FAST_MATH, nogil=True)
+def _attend_in_parallel(q, k_cache, v_cache, block_table, seq_lens, scale, plan, partials, out):
+    """``_attend_units`` for every thread's share of ``plan``, the shares on parallel threads."""
+    _, _, _, _, thread_units = plan
+    for thread in prange(thread_units.shape[0] - 1):
+        _attend_units(thread_units[thread], thread_units[thread + 1], q, k_cache, v_cache,
+                      block_table, seq_lens, scale, plan, partials, out)
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _merge_split_sequences(seq_units, partials, out):
+    """Write into ``out`` the sequences split over threads (at most one per thread boundary):
+    the log-sum-exp merge of their units' ``partials`` (see ``_attend_units``)."""
+    partial_out, partial_max, partial_sum = partials
+    num_heads, head_dim = partial_out.shape[1], partial_out.shape[2]
+    merged = np.empty((num_heads, head_dim), np.float32)
+    for seq in range(seq_units.shape[0] - 1):
         first, end = seq_units[seq], seq_units[seq + 1]
         if end - first == 1:
             continue
@@ -667,20 +831,56 @@ def _decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, num_thr
                 overall_max = max(overall_max, partial_max[unit, head])
             total = np.float32(0.0)
             for d in range(head_dim):
-                result[seq, head, d] = 0.0
+                merged[head, d] = 0.0
             for unit in range(first, end):
                 weight = _exp_nonpositive(partial_max[unit, head] - overall_max)
                 total += partial_sum[unit, head] * weight
                 for d in range(head_dim):
-                    result[seq, head, d] += weight * partial_out[unit, head, d]
+                    merged[head, d] += weight * partial_out[unit, head, d]
             for d in range(head_dim):
-                result[seq, head, d] /= total
-    return result
+                merged[head, d] /= total
+        _store(merged, out, seq)
 
 
-def _as_array(tensor: torch.Tensor) -> np.ndarray:
-    """float32 as it is; bfloat16 and float16 as uint16 and int16 bit views (no copy)."""
-    return tensor.detach().view(_TORCH_BITS[tensor.dtype]).numpy()
+@_compiled(fastmath=FAST_MATH, nogil=True)
+def _decode_attention(out_address, q_address, k_address, v_address, table_address,
+                      lengths_address, q_shape, cache_shape, max_blocks, scale, num_threads,
+                      element):
+    """Decode attention over the paged cache, written into ``out``; returns False, having written
+    nothing, where ``block_table`` or ``seq_lens`` hold values that ``_values_valid`` refuses.
+
+    The arguments are the ``data_ptr()`` of ``out`` and ``q`` (``q_shape`` ``[S, H, D]``), of the
+    caches (``cache_shape`` ``[B, KVH, BS, D]``), all C-contiguous of ``element``'s type (see
+    ``_to_float32``), and of the C-contiguous int32 ``block_table`` ``[S, max_blocks]`` and
+    ``seq_lens`` ``[S]``; then the float scale and the most threads to use. The tensors are
+    otherwise valid. A plan of one thread runs on the calling thread, without starting a parallel
+    region; a larger one starts its parallel region on as many threads as it has shares.
+    """
+    out = _array_at(out_address, q_shape, element)
+    q = _array_at(q_address, q_shape, element)
+    k_cache = _array_at(k_address, cache_shape, element)
+    v_cache = _array_at(v_address, cache_shape, element)
+    num_seqs, num_heads, head_dim = q_shape
+    num_blocks, num_kv_heads, block_size, _ = cache_shape
+    block_table = _array_at(table_address, (num_seqs, max_blocks), np.int32(0))
+    seq_lens = _array_at(lengths_address, (num_seqs,), np.int32(0))
+    if not _values_valid(block_table, seq_lens, num_blocks, block_size):
+        return False
+    plan = _plan(seq_lens, block_size, num_kv_heads, num_threads)
+    unit_seq, _, _, seq_units, thread_units = plan
+    num_units, plan_threads = unit_seq.shape[0], thread_units.shape[0] - 1
+    partials = (np.empty((num_units, num_heads, head_dim), np.float32),
+                np.empty((num_units, num_heads), np.float32),
+                np.empty((num_units, num_heads), np.float32))
+    if plan_threads == 1:
+        _attend_units(0, num_units, q, k_cache, v_cache, block_table, seq_lens,
+                      np.float32(scale), plan, partials, out)
+    else:
+        _set_parallel_threads(plan_threads)
+        _attend_in_parallel(q, k_cache, v_cache, block_table, seq_lens, np.float32(scale), plan,
+                            partials, out)
+        _merge_split_sequences(seq_units, partials, out)
+    return True
 
 
 def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scale):
@@ -692,27 +892,29 @@ def paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens, scal
     """
     checks.check_paged_decode_attention_args(out, q, k_cache, v_cache, block_table, seq_lens,
                                              scale)
+    if not q.is_cpu:  # the check saw every tensor on q's device; the kernel reads their addresses
+        raise ValueError(f"neo.paged_decode_attention: the numba kernel takes CPU tensors, got "
+                         f"{q.device}")
     if q.shape[0] == 0:
         return
-    # The metadata is small: contiguous copies of strided tables keep the kernel to one compiled
-    # specialization per dtype (numba compiles another for every array layout it is given).
-    table, lengths = (tensor.contiguous().numpy() for tensor in (block_table, seq_lens))
-    if not _values_valid(table, lengths, k_cache.shape[0], k_cache.shape[2]):
-        # the shared check names the offending value
-        checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
+    # the kernel reads the tables as C-contiguous: strided ones are copied (they are small)
+    table, lengths = block_table.contiguous(), seq_lens.contiguous()
     torch_threads = torch.get_num_threads()
     num_threads = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
-    arrays = [_as_array(tensor) for tensor in (q, k_cache, v_cache)]
     with _launch_lock:
-        numba.set_num_threads(num_threads)
         try:
-            result = _decode_attention(*arrays, table, lengths, np.float32(scale), num_threads)
+            valid = _decode_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                                      v_cache.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+                                      tuple(q.shape), tuple(k_cache.shape), table.shape[1],
+                                      float(scale), num_threads, _ELEMENT_OF[q.dtype])
         finally:
             # numba's OpenMP thread pool can share OpenMP's thread-count setting with torch (and
             # sets it when it starts): leave torch's as it was
             if torch.get_num_threads() != torch_threads:
                 torch.set_num_threads(torch_threads)
-    out.copy_(torch.from_numpy(result))
+    if not valid:
+        # the shared check names the offending value
+        checks.check_paged_decode_attention_values(k_cache, block_table, seq_lens)
 
 
 IMPLEMENTATIONS = {"paged_decode_attention": paged_decode_attention}

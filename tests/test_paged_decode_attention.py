@@ -370,7 +370,7 @@ def test_bad_input_raises(implementation, device, name, generator):
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks of the numba kernel that the grids above reach only partly: the float16
-# decoder of targets without F16C, and the exponential.
+# decoder and encoder of targets without F16C, the rounding of the encoders, and the exponential.
 
 def numba_kernels_or_skip():
     numba = [impl for impl in neo.ops.implementations(OP, available_only=False)
@@ -411,6 +411,49 @@ def test_numba_half_decoders_are_exact(decoder):
     expected = values.float()
     same_bits = decoded.view(torch.int32) == expected.view(torch.int32)
     assert (same_bits | (decoded.isnan() & expected.isnan())).all()
+
+
+def rounding_cases(dtype, generator):
+    """float32 values that ``dtype`` rounds: every halfway point between neighbouring finite
+    values (the overflow threshold included) and the float32s either side of it, signed zeros,
+    infinities, NaN, and random bit patterns."""
+    finite = all_bit_patterns(dtype).float()
+    finite = finite[finite.isfinite()].unique().double()
+    overflow = finite[-1] + (finite[-1] - finite[-2]) / 2
+    halfway = torch.cat(((finite[:-1] + finite[1:]) / 2, overflow.view(1),
+                         -overflow.view(1))).float()
+    infinity = torch.tensor(math.inf)
+    random_bits = torch.randint(-(2**31), 2**31, (2**20,), generator=generator).to(torch.int32)
+    return torch.cat((halfway, torch.nextafter(halfway, infinity),
+                      torch.nextafter(halfway, -infinity),
+                      torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan]),
+                      random_bits.view(torch.float32)))
+
+
+@pytest.mark.parametrize("encoder", ["portable-float16", "hardware-float16", "bfloat16"])
+def test_numba_half_encoders_round_as_torch(encoder, generator):
+    numba_kernels = numba_kernels_or_skip()
+    from numba import njit
+
+    if encoder == "hardware-float16" and not numba_kernels.HARDWARE_FLOAT16:
+        pytest.skip("numba's target CPU has no F16C")
+    dtype, bits_dtype, function = {
+        "portable-float16": (torch.float16, torch.int16, numba_kernels._encode_float16),
+        "hardware-float16": (torch.float16, torch.int16,
+                             numba_kernels._float32_to_float16_bits),
+        "bfloat16": (torch.bfloat16, torch.uint16, numba_kernels._encode_bfloat16)}[encoder]
+
+    @njit
+    def encode_all(values, out):
+        for i in range(values.shape[0]):
+            out[i] = function(values[i])
+
+    values = rounding_cases(dtype, generator)
+    encoded = torch.empty(values.shape, dtype=bits_dtype)
+    encode_all(values.numpy(), encoded.numpy())
+    expected = values.to(dtype)
+    same_bits = encoded == expected.view(bits_dtype)
+    assert (same_bits | (encoded.view(dtype).isnan() & expected.isnan())).all()
 
 
 def test_numba_exp():
