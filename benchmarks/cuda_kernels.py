@@ -22,8 +22,9 @@ variant, each variant's largest deviation from the pure-torch reference on the f
 (a variant outside the bf16 tolerance is marked and never counted as best), and the best variant
 per point. Last come the two figures the launcher's heuristic is set from
 (``kShortContextVariant`` and ``kLongContextVariant`` in ``ops_cuda/launchers.h``): per class
-of points (context up to SHORT_CONTEXT_TOKENS, and longer), the variant with the lowest
-geometric mean of its time over the best SDPA, among those correct at every point of the class.
+of points (context up to the build's ``decode_short_context_tokens``, and longer), the variant
+with the lowest geometric mean of its time over the best SDPA, among those correct at every
+point of the class.
 
 Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick] [--sweep]
 """
@@ -49,9 +50,6 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 L2_SPAN = 3
 # Largest |neo - reference| a variant may show on bf16 outputs (the CUDA tests' bf16 atol).
 SWEEP_TOLERANCE = 1.6e-2
-# kShortContextTokens of ops_cuda/launchers.h: block tables up to this many tokens per sequence
-# get the launcher's short-context variant, longer ones its long-context variant.
-SHORT_CONTEXT_TOKENS = 512
 # Llama-3-8B-like sizes for the other kernels.
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
 
@@ -215,10 +213,12 @@ def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: i
 
 
 def best_per_class(report: dict) -> dict:
-    """{"short" | "long": {"variant": name, "geomean_over_sdpa": x}} over the sweep's points."""
+    """{"short" | "long": {"variant": name, "geomean_over_sdpa": x}} over the sweep's points,
+    split where the launcher splits them (``report["short_context_tokens"]``)."""
     classes = {}
-    for label, is_member in (("short", lambda context: context <= SHORT_CONTEXT_TOKENS),
-                             ("long", lambda context: context > SHORT_CONTEXT_TOKENS)):
+    short = report["short_context_tokens"]
+    for label, is_member in (("short", lambda context: context <= short),
+                             ("long", lambda context: context > short)):
         points = [point for point in report["sweep"] if is_member(point["context"])]
         if not points:
             continue
@@ -268,7 +268,7 @@ def print_sweep(report: dict) -> None:
                   f"{best['neo_over_best_sdpa']:.3f}x best SDPA")
         else:
             print(f"  {point['num_seqs']:>4} x {point['context']:<6} no variant within tolerance")
-    print(f"heuristic (ops_cuda/launchers.h; short: context <= {SHORT_CONTEXT_TOKENS} tokens):")
+    print(f"heuristic (ops_cuda/launchers.h; short: context <= {report['short_context_tokens']} tokens):")
     for label, best in report["best_per_class"].items():
         index = variants.index(best["variant"])
         print(f"  {label:<5} {best['variant']} (index {index}): geometric mean "
@@ -386,6 +386,7 @@ def run_sweep(report: dict, points, repeats: int, copy: float, generator: torch.
     module = importlib.import_module("neo.ops._cuda_kernels")
     variants = list(module.decode_variants)
     report["variants"] = variants
+    report["short_context_tokens"] = module.decode_short_context_tokens
     report["sweep"] = []
     for num_seqs, context in points:
         point = sweep_point(num_seqs, context, variants, module.decode_variant_variable, repeats,

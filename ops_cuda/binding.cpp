@@ -678,8 +678,10 @@ TORCH_LIBRARY_IMPL(neo, CUDA, library) { register_kernels(library); }
 TORCH_LIBRARY_IMPL(neo_cuda, CUDA, library) { register_kernels(library); }
 
 // `import neo.ops._cuda_kernels` loads this library (running the registrations above). The
-// module holds two attributes: `decode_variants`, the names of the decode kernel variants in
-// launcher order, and `decode_variant_variable`, the environment variable that selects one.
+// module holds three attributes: `decode_variants`, the names of the decode kernel variants in
+// launcher order, `decode_variant_variable`, the environment variable that selects one, and
+// `decode_short_context_tokens`, the block-table span up to which the launcher picks its
+// short-context variant.
 PyMODINIT_FUNC PyInit__cuda_kernels(void) {
   static struct PyModuleDef definition = {
       PyModuleDef_HEAD_INIT, "_cuda_kernels", nullptr, -1, nullptr, nullptr, nullptr, nullptr,
@@ -706,7 +708,9 @@ PyMODINIT_FUNC PyInit__cuda_kernels(void) {
     return nullptr;
   }
   if (PyModule_AddStringConstant(module, "decode_variant_variable",
-                                 neo_cuda::kDecodeVariantVariable) < 0) {
+                                 neo_cuda::kDecodeVariantVariable) < 0 ||
+      PyModule_AddIntConstant(module, "decode_short_context_tokens",
+                              neo_cuda::kShortContextTokens) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

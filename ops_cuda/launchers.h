@@ -34,17 +34,21 @@ struct DecodeVariant {
   bool early_table;     // the partition's block-table entries and the query are loaded
                         // together with seq_len instead of after it
   int resident_warps;   // warps per SM the register allocation must leave room for
+  bool tensor_cores;    // float16 and bfloat16 caches with head_dim 64 or 128 run the
+                        // tensor-core kernel (warps, partition_size and resident_warps apply);
+                        // other caches run the CUDA-core kernel with every field
 };
 
 // Names spell the fields: w<warps>_l<loads_in_flight>_p<partition_size>, then pv
-// (prefetch_values), db (double_buffered), et (early_table).
+// (prefetch_values), db (double_buffered), et (early_table), tc (tensor_cores).
 inline constexpr DecodeVariant kDecodeVariants[] = {
-    {"w4_l8_p512", 4, 8, 512, false, false, false, 16},
-    {"w4_l8_p512_pv", 4, 8, 512, true, false, false, 16},
-    {"w4_l8_p1024_pv", 4, 8, 1024, true, false, false, 16},
-    {"w4_l8_p512_pv_et", 4, 8, 512, true, false, true, 16},
-    {"w4_l16_p1024_pv_et", 4, 16, 1024, true, false, true, 12},
-    {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16},
+    {"w4_l8_p512", 4, 8, 512, false, false, false, 16, false},
+    {"w4_l8_p512_pv", 4, 8, 512, true, false, false, 16, false},
+    {"w4_l8_p1024_pv", 4, 8, 1024, true, false, false, 16, false},
+    {"w4_l8_p512_pv_et", 4, 8, 512, true, false, true, 16, false},
+    {"w4_l16_p1024_pv_et", 4, 16, 1024, true, false, true, 12, false},
+    {"w4_l4_p512_pv_db_et", 4, 4, 512, true, true, true, 16, false},
+    {"w4_l8_p1024_pv_tc", 4, 8, 1024, true, false, false, 16, true},
 };
 inline constexpr int kDecodeVariantCount =
     static_cast<int>(sizeof(kDecodeVariants) / sizeof(kDecodeVariants[0]));
@@ -52,9 +56,9 @@ inline constexpr const char* kDecodeVariantVariable = "NEO_DECODE_ATTENTION_VARI
 
 // Variants the launcher uses when the environment names none: one for batches whose block
 // table spans at most kShortContextTokens tokens per sequence, one for longer ones.
-inline constexpr int kShortContextTokens = 512;
+inline constexpr int kShortContextTokens = 256;
 inline constexpr int kShortContextVariant = 3;  // w4_l8_p512_pv_et
-inline constexpr int kLongContextVariant = 2;   // w4_l8_p1024_pv
+inline constexpr int kLongContextVariant = 6;   // w4_l8_p1024_pv_tc
 
 // The variant for a block table of `max_blocks_per_seq` columns of `block_size` tokens.
 inline int choose_decode_variant(int64_t max_blocks_per_seq, int block_size) {

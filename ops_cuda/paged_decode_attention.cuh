@@ -28,16 +28,17 @@
 // combines (log-sum-exp). All arithmetic is float32. A sequence with seq_len <= 0 gets a zero
 // output.
 //
+// Variants with tensor_cores run the kernel of paged_decode_attention_mma.cuh instead, where it
+// applies (float16 and bfloat16 caches, head_dim 64 or 128).
+//
 // This header holds the kernel templates; paged_decode_attention_<type>.cu instantiate them.
 #pragma once
 
-#include "device_utils.cuh"
+#include "paged_decode_attention_mma.cuh"
 
 namespace neo_cuda {
 namespace {
 
-constexpr int kMinBlockSize = 8;
-constexpr float kLog2e = 1.4426950408889634f;
 // Warps whose partial outputs shared memory holds at once in the cross-warp sum.
 constexpr int kMaxReductionSlots = 4;
 
@@ -62,6 +63,7 @@ struct DecodeConfig {
   static constexpr bool kPrefetchValues = kVariant.prefetch_values;
   static constexpr bool kDoubleBuffered = kVariant.double_buffered;
   static constexpr bool kEarlyTable = kVariant.early_table;
+  static constexpr bool kTensorCores = kVariant.tensor_cores;
   static constexpr int kMinBlocksPerSm = constexpr_max(1, kVariant.resident_warps / kWarps);
   static constexpr int kMaxTableEntries = kPartitionSize / kMinBlockSize;
   static constexpr int kReductionSlots = constexpr_min(kWarps, kMaxReductionSlots);
@@ -122,19 +124,6 @@ struct DecodeLayout {
   // of the outputs [kReductionSlots][Heads][HeadDimMax].
   static constexpr int kSharedFloats = constexpr_max(
       Config::kPartitionSize * Heads, Config::kReductionSlots * Heads * HeadDimMax);
-};
-
-// Where one partition's K/V rows of one KV head live.
-struct RowAddressing {
-  const int64_t* block_offsets;  // shared: element offset of this KV head in each logical block
-  int block_shift;               // log2(block_size)
-  int offset_mask;               // block_size - 1
-  int head_dim;
-
-  // Element offset of partition token `token`'s row in the cache.
-  __device__ __forceinline__ int64_t operator()(int token) const {
-    return block_offsets[token >> block_shift] + (token & offset_mask) * head_dim;
-  }
 };
 
 // Stores one token's `Heads` logits (or probabilities) into a shared row.
@@ -574,6 +563,9 @@ void launch_for_heads(const PagedDecodeAttentionParams& params, dim3 grid, cudaS
 template <int Variant, typename T>
 void launch_for_variant(const PagedDecodeAttentionParams& params, int heads, dim3 grid,
                         cudaStream_t stream) {
+  if constexpr (DecodeConfig<Variant>::kTensorCores) {
+    if (launch_tensor_core_decode<T, DecodeConfig<Variant>>(params, stream)) return;
+  }
   switch (heads) {
     case 1:
       launch_for_heads<1, Variant, T>(params, grid, stream);

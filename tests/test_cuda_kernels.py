@@ -30,7 +30,7 @@ pytestmark = [
 # The decode kernel variants of ops_cuda/launchers.h, in launcher order; the first test below
 # fails when the build's list differs.
 DECODE_VARIANTS = ("w4_l8_p512", "w4_l8_p512_pv", "w4_l8_p1024_pv", "w4_l8_p512_pv_et", "w4_l16_p1024_pv_et",
-                   "w4_l4_p512_pv_db_et")
+                   "w4_l4_p512_pv_db_et", "w4_l8_p1024_pv_tc")
 DECODE_VARIANT_VARIABLE = "NEO_DECODE_ATTENTION_VARIANT"
 # Block id of the unused block-table entries: rows through it lie far outside any cache.
 UNUSED_BLOCK_ID = 2**31 - 1
@@ -66,6 +66,7 @@ def test_decode_variant_list_matches_the_build(cuda_ops):
     module = importlib.import_module("neo.ops._cuda_kernels")
     assert module.decode_variants == DECODE_VARIANTS
     assert module.decode_variant_variable == DECODE_VARIANT_VARIABLE
+    assert module.decode_short_context_tokens == 256
 
 
 def test_decode_unknown_variant_is_rejected(cuda_ops, monkeypatch):

@@ -1,0 +1,334 @@
+// Paged decode attention on tensor cores, for float16 and bfloat16 caches with head_dim 64 or
+// 128 (the launcher falls back to the CUDA-core kernel of paged_decode_attention.cuh otherwise).
+//
+// Grid: (sequence, KV head x head chunk, partition), as the CUDA-core kernel's. One thread
+// block attends up to kMmaHeads query heads of one KV group to one partition of KV tokens.
+// Each warp takes tiles of kMmaTileTokens tokens in turn and keeps its own online softmax
+// (flash-decoding within the block), so no barrier separates the K loads from the V loads; the
+// block merges its warps' partial outputs at the end.
+//
+// Both products are warp-wide mma.sync m16n8k16 with float32 accumulators:
+//
+//   scores  S [head x token] = Q [head x dim] . K^T [dim x token]   (rows 8..15 of Q are zero)
+//   output  O^T [dim x head] = V^T [dim x token] . P^T [token x head]
+//
+// The sum over dims (and over tokens) does not depend on the order of its terms, so each lane
+// reads whole 16-byte vectors and the kernel assigns their elements to the fragments' k slots:
+// a lane's 16 bytes of a K row (8 dims) are the k slots {2c, 2c+1, 2c+8, 2c+9} (c = lane % 4)
+// of two consecutive MMAs, and its query vector of the same dims fills the same slots of Q.
+// The scores' accumulator fragment (head row, tokens 2c and 2c+1 of each 8-token half) is,
+// element for element, the B fragment of P^T, so probabilities never leave the registers. V^T's
+// A fragment wants pairs of tokens per dim: a lane loads HeadDim / 8 consecutive dims of four
+// tokens and pairs them with byte permutes; the output rows (dims) come out in that lane order
+// and are put back in place when the warp's result is written to shared memory.
+//
+// Probabilities are split into a T part and the T-rounded remainder, each multiplied by V, so
+// the value product keeps float32's precision (two MMAs instead of one, where the instruction
+// count is not what bounds the kernel). Logits are in the log2 domain, as the merge of split
+// sequences expects.
+#pragma once
+
+#include "paged_decode_attention_common.cuh"
+
+namespace neo_cuda {
+namespace {
+
+// Query heads a tensor-core block serves: the n dimension of the value product.
+constexpr int kMmaHeads = 8;
+// Tokens a warp attends per step: two n-halves of the score product, the k of the value one.
+constexpr int kMmaTileTokens = 16;
+
+__device__ __forceinline__ uint16_t element_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint16_t element_bits(__half x) { return __half_as_ushort(x); }
+
+// Two floats rounded to T and packed, `low` in the lower half (the lower k or n index).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float low, float high) {
+  return static_cast<uint32_t>(element_bits(from_float<T>(low))) |
+         (static_cast<uint32_t>(element_bits(from_float<T>(high))) << 16);
+}
+
+// The 16-bit elements `element` (0..7) of `first` and of `second`, packed (first's lower).
+__device__ __forceinline__ uint32_t pair_elements(const uint4& first, const uint4& second,
+                                                  int element) {
+  const uint32_t words_first[4] = {first.x, first.y, first.z, first.w};
+  const uint32_t words_second[4] = {second.x, second.y, second.z, second.w};
+  const uint32_t a = words_first[element / 2];
+  const uint32_t b = words_second[element / 2];
+  return element % 2 == 0 ? __byte_perm(a, b, 0x5410) : __byte_perm(a, b, 0x7632);
+}
+
+// c += A . B for one m16n8k16 tile: A in a0..a3 (rows g / g+8, k slots 2c.. / 2c+8..), B in
+// b0, b1 (k slots 2c.., 2c+8.., column g), c as (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1).
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    static_assert(std::is_same_v<T, __half>, "tensor-core decode takes float16 or bfloat16");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// T: float16 or bfloat16; HeadDim: 64 or 128; Config: a DecodeConfig (paged_decode_attention.cuh)
+// whose warps, partition size and residency apply.
+template <typename T, int HeadDim, typename Config>
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSm)
+    paged_decode_attention_mma_kernel(const PagedDecodeAttentionParams params) {
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kWarps = Config::kWarps;
+  constexpr int kPartitionSize = Config::kPartitionSize;
+  constexpr int kKeyVectors = HeadDim / 32;       // a lane's 16-byte loads of one K row
+  constexpr int kValueElements = HeadDim / 8;     // consecutive dims of a V row a lane covers
+  constexpr int kValueVectors = kValueElements / 8;
+  constexpr int kDimTiles = HeadDim / 16;         // m16 tiles of the value product
+  constexpr int kRowVectors = HeadDim / 8;        // 16-byte vectors of a row
+  static_assert(HeadDim == 64 || HeadDim == 128, "tensor-core decode takes head_dim 64 or 128");
+  static_assert(kPartitionSize % kMmaTileTokens == 0, "a partition holds whole tiles");
+
+  __shared__ int64_t block_offsets[kPartitionSize / kMinBlockSize];
+  // One vector of padding per row: the row groups of a warp read different banks.
+  __shared__ uint4 query[kMmaHeads][kRowVectors + 1];
+  __shared__ float warp_maxima[kWarps][kMmaHeads];
+  __shared__ float warp_sums[kWarps][kMmaHeads];
+  __shared__ float warp_outputs[kWarps][kMmaHeads][HeadDim];
+
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int row = lane / 4;   // fragment row group: a query head, a key token, a V dim slice
+  const int quad = lane % 4;  // lane within the row group
+
+  const int seq = blockIdx.x;
+  const int group = params.num_heads / params.num_kv_heads;
+  const int head_chunks = (group + kMmaHeads - 1) / kMmaHeads;
+  const int kv_head = blockIdx.y / head_chunks;
+  const int chunk = blockIdx.y % head_chunks;
+  const int partition = blockIdx.z;
+  const int first_head = kv_head * group + chunk * kMmaHeads;
+  const int heads_here = min(kMmaHeads, group - chunk * kMmaHeads);
+
+  const int start = partition * kPartitionSize;
+  const int64_t first_row = static_cast<int64_t>(seq) * params.num_heads + first_head;
+  T* out = static_cast<T*>(params.out) + first_row * HeadDim;
+  const int block_size = params.block_size;
+  const int block_shift = __ffs(block_size) - 1;
+  const int* table_row = params.block_table +
+                         static_cast<int64_t>(seq) * params.block_table_stride +
+                         (start >> block_shift);
+  const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * block_size * HeadDim;
+  const int seq_len = params.seq_lens[seq];
+  if (start >= seq_len) {
+    if (partition == 0) {
+      for (int i = tid; i < heads_here * HeadDim; i += kThreads) out[i] = from_float<T>(0.0f);
+    }
+    return;
+  }
+  const int num_tokens = min(kPartitionSize, seq_len - start);
+  const bool split = seq_len > kPartitionSize;
+
+  // The partition's block-table entries, as element offsets of this KV head's rows, and the
+  // query rows (zero past heads_here), read back per tile as Q's A fragment.
+  for (int i = tid; i < (num_tokens + block_size - 1) >> block_shift; i += kThreads) {
+    block_offsets[i] = table_row[i] * block_stride + head_offset;
+  }
+  for (int i = tid; i < kMmaHeads * kRowVectors; i += kThreads) {
+    const int h = i / kRowVectors;
+    const int v = i % kRowVectors;
+    const T* q = static_cast<const T*>(params.q) + (first_row + h) * HeadDim + 8 * v;
+    query[h][v] = h < heads_here ? load_vector(q) : make_uint4(0, 0, 0, 0);
+  }
+  RowAddressing row_of;
+  row_of.block_offsets = block_offsets;
+  row_of.block_shift = block_shift;
+  row_of.offset_mask = block_size - 1;
+  row_of.head_dim = HeadDim;
+  __syncthreads();  // block_offsets and query ready
+
+  const T* k_cache = static_cast<const T*>(params.k_cache);
+  const T* v_cache = static_cast<const T*>(params.v_cache);
+  const float scale = params.scale * kLog2e;
+  float running_max = -INFINITY;  // of head `row`, the same in the row group's four lanes
+  float running_sum = 0.0f;       // this lane's share of head `row`'s sum
+  // O^T accumulators per dim tile: (dim row, head 2 quad), (row, 2 quad + 1), (row + 8, 2 quad),
+  // (row + 8, 2 quad + 1), where dim tile i's row r is dim kValueElements r + i and row r + 8
+  // is dim kValueElements r + kDimTiles + i.
+  float acc[kDimTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDimTiles; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+  }
+
+  const int tiles = (num_tokens + kMmaTileTokens - 1) / kMmaTileTokens;
+  for (int tile = warp; tile < tiles; tile += kWarps) {
+    const int base = tile * kMmaTileTokens;
+    // K rows of tokens base + row and base + 8 + row: this lane's 8 dims of each 32-dim slice.
+    uint4 keys[2][kKeyVectors];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int token = base + 8 * half + row;
+      const bool valid = token < num_tokens;
+      const T* key_row = k_cache + (valid ? row_of(token) : 0) + 8 * quad;
+#pragma unroll
+      for (int i = 0; i < kKeyVectors; ++i) {
+        keys[half][i] = valid ? load_vector(key_row + 32 * i) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    // V rows of tokens base + 2 quad + {0, 1, 8, 9}: dims [kValueElements row, + kValueElements).
+    uint4 values[4][kValueVectors];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int token = base + 2 * quad + (t % 2) + 8 * (t / 2);
+      const bool valid = token < num_tokens;
+      const T* value_row = v_cache + (valid ? row_of(token) : 0) + kValueElements * row;
+#pragma unroll
+      for (int j = 0; j < kValueVectors; ++j) {
+        values[t][j] = valid ? load_vector(value_row + 8 * j) : make_uint4(0, 0, 0, 0);
+      }
+    }
+
+    // Scores of head `row` for tokens base + 8 half + 2 quad + {0, 1}.
+    float scores[2][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) scores[half][e] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kKeyVectors; ++i) {
+        // Q's A fragment: head `row`, the 8 dims at 32 i + 8 quad.
+        const uint4 q = query[row][4 * i + quad];
+        mma_m16n8k16<T>(scores[half], q.x, 0u, q.y, 0u, keys[half][i].x, keys[half][i].y);
+        mma_m16n8k16<T>(scores[half], q.z, 0u, q.w, 0u, keys[half][i].z, keys[half][i].w);
+      }
+    }
+    float logits[4];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int token = base + 8 * (k / 2) + 2 * quad + (k % 2);
+      logits[k] = token < num_tokens ? scores[k / 2][k % 2] * scale : -INFINITY;
+      tile_max = fmaxf(tile_max, logits[k]);
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+    const float new_max = fmaxf(running_max, tile_max);
+    const float reference = new_max == -INFINITY ? 0.0f : new_max;
+    const float rescale = exp2f(running_max - reference);
+    float probabilities[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) probabilities[k] = exp2f(logits[k] - reference);
+    running_sum = running_sum * rescale + (probabilities[0] + probabilities[1]) +
+                  (probabilities[2] + probabilities[3]);
+    running_max = new_max;
+
+    // The accumulators hold heads 2 quad and 2 quad + 1, whose factors row groups 2 quad and
+    // 2 quad + 1 computed.
+    const float rescale_even = __shfl_sync(kFullMask, rescale, 8 * quad);
+    const float rescale_odd = __shfl_sync(kFullMask, rescale, 8 * quad + 4);
+#pragma unroll
+    for (int i = 0; i < kDimTiles; ++i) {
+      acc[i][0] *= rescale_even;
+      acc[i][1] *= rescale_odd;
+      acc[i][2] *= rescale_even;
+      acc[i][3] *= rescale_odd;
+    }
+
+    // P^T's B fragment (k = tokens, n = head `row`), as T and as the T-rounded remainder.
+    const uint32_t high_first = pack_pair<T>(probabilities[0], probabilities[1]);
+    const uint32_t high_second = pack_pair<T>(probabilities[2], probabilities[3]);
+    const uint32_t low_first = pack_pair<T>(probabilities[0] - round_to<T>(probabilities[0]),
+                                            probabilities[1] - round_to<T>(probabilities[1]));
+    const uint32_t low_second = pack_pair<T>(probabilities[2] - round_to<T>(probabilities[2]),
+                                             probabilities[3] - round_to<T>(probabilities[3]));
+#pragma unroll
+    for (int i = 0; i < kDimTiles; ++i) {
+      const int upper = kDimTiles + i;  // slice element of dim row row + 8
+      const uint32_t a0 = pair_elements(values[0][i / 8], values[1][i / 8], i % 8);
+      const uint32_t a1 = pair_elements(values[0][upper / 8], values[1][upper / 8], upper % 8);
+      const uint32_t a2 = pair_elements(values[2][i / 8], values[3][i / 8], i % 8);
+      const uint32_t a3 = pair_elements(values[2][upper / 8], values[3][upper / 8], upper % 8);
+      mma_m16n8k16<T>(acc[i], a0, a1, a2, a3, high_first, high_second);
+      mma_m16n8k16<T>(acc[i], a0, a1, a2, a3, low_first, low_second);
+    }
+  }
+
+  // The warp's partial result into shared memory, dims back in place.
+  running_sum += __shfl_xor_sync(kFullMask, running_sum, 1);
+  running_sum += __shfl_xor_sync(kFullMask, running_sum, 2);
+  if (quad == 0) {
+    warp_maxima[warp][row] = running_max;
+    warp_sums[warp][row] = running_sum;
+  }
+#pragma unroll
+  for (int i = 0; i < kDimTiles; ++i) {
+    const int dim = kValueElements * row + i;
+    warp_outputs[warp][2 * quad][dim] = acc[i][0];
+    warp_outputs[warp][2 * quad + 1][dim] = acc[i][1];
+    warp_outputs[warp][2 * quad][dim + kDimTiles] = acc[i][2];
+    warp_outputs[warp][2 * quad + 1][dim + kDimTiles] = acc[i][3];
+  }
+  __syncthreads();
+
+  // Merge the warps (log-sum-exp) per head and dim.
+  for (int i = tid; i < heads_here * HeadDim; i += kThreads) {
+    const int h = i / HeadDim;
+    const int d = i % HeadDim;
+    float maximum = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) maximum = fmaxf(maximum, warp_maxima[w][h]);
+    float total = 0.0f;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2f(warp_maxima[w][h] - maximum);
+      total = fmaf(weight, warp_outputs[w][h][d], total);
+      sum = fmaf(weight, warp_sums[w][h], sum);
+    }
+    if (split) {
+      const int64_t slot = (first_row + h) * params.max_partitions + partition;
+      params.partial_out[slot * HeadDim + d] = total;
+      if (d == 0) {
+        params.partial_max[slot] = maximum;
+        params.partial_sum[slot] = sum;
+      }
+    } else {
+      out[i] = from_float<T>(total / sum);
+    }
+  }
+}
+
+// Launches the tensor-core kernel with Config for the parameters' head_dim; false (nothing
+// launched) where it does not apply: a float32 cache or a head_dim other than 64 and 128.
+template <typename T, typename Config>
+bool launch_tensor_core_decode(const PagedDecodeAttentionParams& params, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const int group = params.num_heads / params.num_kv_heads;
+    const int head_chunks = (group + kMmaHeads - 1) / kMmaHeads;
+    const dim3 grid(params.num_seqs, params.num_kv_heads * head_chunks, params.max_partitions);
+    if (params.head_dim == 64) {
+      paged_decode_attention_mma_kernel<T, 64, Config><<<grid, Config::kThreads, 0, stream>>>(params);
+      return true;
+    }
+    if (params.head_dim == 128) {
+      paged_decode_attention_mma_kernel<T, 128, Config><<<grid, Config::kThreads, 0, stream>>>(params);
+      return true;
+    }
+    return false;
+  }
+}
+
+}  // namespace
+}  // namespace neo_cuda
