@@ -386,18 +386,30 @@ def all_bit_patterns(dtype):
     return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
-@pytest.mark.parametrize("decoder", ["portable-float16", "hardware-float16", "bfloat16"])
+# The numba kernel's half-precision conversions: dtype, bit-pattern dtype, and the names of the
+# decoder and the encoder in ops/numba_kernels.py.
+HALF_CONVERSIONS = {
+    "portable-float16": (torch.float16, torch.int16, "_decode_float16", "_encode_float16"),
+    "hardware-float16": (torch.float16, torch.int16, "_float16_bits_to_float32",
+                         "_float32_to_float16_bits"),
+    "bfloat16": (torch.bfloat16, torch.uint16, "_decode_bfloat16", "_encode_bfloat16"),
+}
+
+
+def half_conversion_or_skip(numba_kernels, kind):
+    """HALF_CONVERSIONS[kind], skipping the hardware float16 conversions on a target without F16C."""
+    if kind == "hardware-float16" and not numba_kernels.HARDWARE_FLOAT16:
+        pytest.skip("numba's target CPU has no F16C")
+    return HALF_CONVERSIONS[kind]
+
+
+@pytest.mark.parametrize("decoder", list(HALF_CONVERSIONS))
 def test_numba_half_decoders_are_exact(decoder):
     numba_kernels = numba_kernels_or_skip()
     from numba import njit
 
-    if decoder == "hardware-float16" and not numba_kernels.HARDWARE_FLOAT16:
-        pytest.skip("numba's target CPU has no F16C")
-    dtype, bits_dtype, function = {
-        "portable-float16": (torch.float16, torch.int16, numba_kernels._decode_float16),
-        "hardware-float16": (torch.float16, torch.int16,
-                             numba_kernels._float16_bits_to_float32),
-        "bfloat16": (torch.bfloat16, torch.uint16, numba_kernels._decode_bfloat16)}[decoder]
+    dtype, bits_dtype, name, _ = half_conversion_or_skip(numba_kernels, decoder)
+    function = getattr(numba_kernels, name)
 
     @njit
     def decode_all(bits):
@@ -430,18 +442,13 @@ def rounding_cases(dtype, generator):
                       random_bits.view(torch.float32)))
 
 
-@pytest.mark.parametrize("encoder", ["portable-float16", "hardware-float16", "bfloat16"])
+@pytest.mark.parametrize("encoder", list(HALF_CONVERSIONS))
 def test_numba_half_encoders_round_as_torch(encoder, generator):
     numba_kernels = numba_kernels_or_skip()
     from numba import njit
 
-    if encoder == "hardware-float16" and not numba_kernels.HARDWARE_FLOAT16:
-        pytest.skip("numba's target CPU has no F16C")
-    dtype, bits_dtype, function = {
-        "portable-float16": (torch.float16, torch.int16, numba_kernels._encode_float16),
-        "hardware-float16": (torch.float16, torch.int16,
-                             numba_kernels._float32_to_float16_bits),
-        "bfloat16": (torch.bfloat16, torch.uint16, numba_kernels._encode_bfloat16)}[encoder]
+    dtype, bits_dtype, _, name = half_conversion_or_skip(numba_kernels, encoder)
+    function = getattr(numba_kernels, name)
 
     @njit
     def encode_all(values, out):
