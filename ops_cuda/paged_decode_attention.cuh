@@ -64,6 +64,10 @@ struct DecodeConfig {
   static constexpr bool kDoubleBuffered = kVariant.double_buffered;
   static constexpr bool kEarlyTable = kVariant.early_table;
   static constexpr bool kTensorCores = kVariant.tensor_cores;
+  static constexpr int kWarpsPerItem = kVariant.warps_per_item;
+  static_assert(kWarpsPerItem == 0 ||
+                    (kTensorCores && kWarps % (kWarpsPerItem > 0 ? kWarpsPerItem : 1) == 0),
+                "warps_per_item: a tensor-core variant's divisor of its warps, or 0");
   static constexpr int kMinBlocksPerSm = constexpr_max(1, kVariant.resident_warps / kWarps);
   static constexpr int kMaxTableEntries = kPartitionSize / kMinBlockSize;
   static constexpr int kReductionSlots = constexpr_min(kWarps, kMaxReductionSlots);

@@ -1,11 +1,16 @@
 // Paged decode attention on tensor cores, for float16 and bfloat16 caches with head_dim 64 or
 // 128 (the launcher falls back to the CUDA-core kernel of paged_decode_attention.cuh otherwise).
 //
-// Grid: (sequence, KV head x head chunk, partition), as the CUDA-core kernel's. One thread
-// block attends up to kMmaHeads query heads of one KV group to one partition of KV tokens.
-// Each warp takes tiles of kMmaTileTokens tokens in turn and keeps its own online softmax
-// (flash-decoding within the block), so no barrier separates the K loads from the V loads; the
-// block merges its warps' partial outputs at the end.
+// Work is cut into items: up to kMmaHeads query heads of one KV group (a KV head's head chunk)
+// attended to one partition of KV tokens. Grid: (sequence, group of items, partition); a block
+// of W warps serves W / warps_per_item items of one sequence and partition, and shares their
+// block-table entries. The warps of an item take tiles of kMmaTileTokens tokens in turn, each
+// with its own online softmax (flash-decoding within the item), so no barrier separates the K
+// loads from the V loads; they merge their partial outputs at the end. With one warp per item
+// nothing is merged across warps and a block's fixed costs (the sequence's length, its table,
+// the barrier) are spread over W items: that is what short contexts need. The launcher picks
+// warps_per_item from how many items a partition has (choose_warps_per_item), so that small
+// batches still fill the GPU.
 //
 // Both products are warp-wide mma.sync m16n8k16 with float32 accumulators:
 //
@@ -37,6 +42,10 @@ namespace {
 constexpr int kMmaHeads = 8;
 // Tokens a warp attends per step: two n-halves of the score product, the k of the value one.
 constexpr int kMmaTileTokens = 16;
+// choose_warps_per_item's bar: the share of a full wave of resident warps a grid's items must
+// exceed before fewer warps per item are used.
+constexpr int kMinWaveShareNumerator = 9;
+constexpr int kMinWaveShareDenominator = 16;
 
 __device__ __forceinline__ uint16_t element_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ uint16_t element_bits(__half x) { return __half_as_ushort(x); }
@@ -79,221 +88,178 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], uint32_t a0, uint32_
   }
 }
 
-// T: float16 or bfloat16; HeadDim: 64 or 128; Config: a DecodeConfig (paged_decode_attention.cuh)
-// whose warps, partition size and residency apply.
-template <typename T, int HeadDim, typename Config>
-__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSm)
-    paged_decode_attention_mma_kernel(const PagedDecodeAttentionParams params) {
-  constexpr int kThreads = Config::kThreads;
-  constexpr int kWarps = Config::kWarps;
-  constexpr int kPartitionSize = Config::kPartitionSize;
-  constexpr int kKeyVectors = HeadDim / 32;       // a lane's 16-byte loads of one K row
-  constexpr int kValueElements = HeadDim / 8;     // consecutive dims of a V row a lane covers
+// One warp's online softmax over tiles of one KV head: the running max of head `row` (the same
+// in the row group's four lanes), this lane's share of that head's sum, and the O^T accumulators
+// per dim tile: (dim row, head 2 quad), (row, 2 quad + 1), (row + 8, 2 quad), (row + 8,
+// 2 quad + 1), where dim tile i's row r is dim HeadDim / 8 * r + i and row r + 8 is dim
+// HeadDim / 8 * r + HeadDim / 16 + i.
+template <int HeadDim>
+struct WarpSoftmax {
+  static constexpr int kDimTiles = HeadDim / 16;
+  float running_max = -INFINITY;
+  float running_sum = 0.0f;
+  float acc[kDimTiles][4] = {};
+};
+
+// Attends the query rows `query` (kMmaHeads rows of HeadDim / 8 vectors and one of padding,
+// zero past the heads served) to partition tokens [base, base + kMmaTileTokens), masking those
+// from `num_tokens` on. k_cache and v_cache point at this KV head's rows of block 0.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void attend_tile(WarpSoftmax<HeadDim>& state,
+                                            const uint4 (*query)[HeadDim / 8 + 1],
+                                            const T* k_cache, const T* v_cache,
+                                            const RowAddressing& row_of, int base, int num_tokens,
+                                            float scale, int row, int quad) {
+  constexpr int kKeyVectors = HeadDim / 32;    // a lane's 16-byte loads of one K row
+  constexpr int kValueElements = HeadDim / 8;  // consecutive dims of a V row a lane covers
   constexpr int kValueVectors = kValueElements / 8;
-  constexpr int kDimTiles = HeadDim / 16;         // m16 tiles of the value product
-  constexpr int kRowVectors = HeadDim / 8;        // 16-byte vectors of a row
-  static_assert(HeadDim == 64 || HeadDim == 128, "tensor-core decode takes head_dim 64 or 128");
-  static_assert(kPartitionSize % kMmaTileTokens == 0, "a partition holds whole tiles");
+  constexpr int kDimTiles = HeadDim / 16;      // m16 tiles of the value product
 
-  __shared__ int64_t block_offsets[kPartitionSize / kMinBlockSize];
-  // One vector of padding per row: the row groups of a warp read different banks.
-  __shared__ uint4 query[kMmaHeads][kRowVectors + 1];
-  __shared__ float warp_maxima[kWarps][kMmaHeads];
-  __shared__ float warp_sums[kWarps][kMmaHeads];
-  __shared__ float warp_outputs[kWarps][kMmaHeads][HeadDim];
-
-  const int tid = threadIdx.x;
-  const int lane = tid % kWarpSize;
-  const int warp = tid / kWarpSize;
-  const int row = lane / 4;   // fragment row group: a query head, a key token, a V dim slice
-  const int quad = lane % 4;  // lane within the row group
-
-  const int seq = blockIdx.x;
-  const int group = params.num_heads / params.num_kv_heads;
-  const int head_chunks = (group + kMmaHeads - 1) / kMmaHeads;
-  const int kv_head = blockIdx.y / head_chunks;
-  const int chunk = blockIdx.y % head_chunks;
-  const int partition = blockIdx.z;
-  const int first_head = kv_head * group + chunk * kMmaHeads;
-  const int heads_here = min(kMmaHeads, group - chunk * kMmaHeads);
-
-  const int start = partition * kPartitionSize;
-  const int64_t first_row = static_cast<int64_t>(seq) * params.num_heads + first_head;
-  T* out = static_cast<T*>(params.out) + first_row * HeadDim;
-  const int block_size = params.block_size;
-  const int block_shift = __ffs(block_size) - 1;
-  const int* table_row = params.block_table +
-                         static_cast<int64_t>(seq) * params.block_table_stride +
-                         (start >> block_shift);
-  const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * block_size * HeadDim;
-  const int seq_len = params.seq_lens[seq];
-  if (start >= seq_len) {
-    if (partition == 0) {
-      for (int i = tid; i < heads_here * HeadDim; i += kThreads) out[i] = from_float<T>(0.0f);
+  // K rows of tokens base + row and base + 8 + row: this lane's 8 dims of each 32-dim slice.
+  uint4 keys[2][kKeyVectors];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int token = base + 8 * half + row;
+    const bool valid = token < num_tokens;
+    const T* key_row = k_cache + (valid ? row_of(token) : 0) + 8 * quad;
+#pragma unroll
+    for (int i = 0; i < kKeyVectors; ++i) {
+      keys[half][i] = valid ? load_vector(key_row + 32 * i) : make_uint4(0, 0, 0, 0);
     }
-    return;
   }
-  const int num_tokens = min(kPartitionSize, seq_len - start);
-  const bool split = seq_len > kPartitionSize;
+  // V rows of tokens base + 2 quad + {0, 1, 8, 9}: dims [kValueElements row, + kValueElements).
+  uint4 values[4][kValueVectors];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int token = base + 2 * quad + (t % 2) + 8 * (t / 2);
+    const bool valid = token < num_tokens;
+    const T* value_row = v_cache + (valid ? row_of(token) : 0) + kValueElements * row;
+#pragma unroll
+    for (int j = 0; j < kValueVectors; ++j) {
+      values[t][j] = valid ? load_vector(value_row + 8 * j) : make_uint4(0, 0, 0, 0);
+    }
+  }
 
-  // The partition's block-table entries, as element offsets of this KV head's rows, and the
-  // query rows (zero past heads_here), read back per tile as Q's A fragment.
-  for (int i = tid; i < (num_tokens + block_size - 1) >> block_shift; i += kThreads) {
-    block_offsets[i] = table_row[i] * block_stride + head_offset;
+  // Scores of head `row` for tokens base + 8 half + 2 quad + {0, 1}.
+  float scores[2][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) scores[half][e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kKeyVectors; ++i) {
+      // Q's A fragment: head `row`, the 8 dims at 32 i + 8 quad.
+      const uint4 q = query[row][4 * i + quad];
+      mma_m16n8k16<T>(scores[half], q.x, 0u, q.y, 0u, keys[half][i].x, keys[half][i].y);
+      mma_m16n8k16<T>(scores[half], q.z, 0u, q.w, 0u, keys[half][i].z, keys[half][i].w);
+    }
   }
-  for (int i = tid; i < kMmaHeads * kRowVectors; i += kThreads) {
-    const int h = i / kRowVectors;
-    const int v = i % kRowVectors;
-    const T* q = static_cast<const T*>(params.q) + (first_row + h) * HeadDim + 8 * v;
-    query[h][v] = h < heads_here ? load_vector(q) : make_uint4(0, 0, 0, 0);
+  float logits[4];
+  float tile_max = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int token = base + 8 * (k / 2) + 2 * quad + (k % 2);
+    logits[k] = token < num_tokens ? scores[k / 2][k % 2] * scale : -INFINITY;
+    tile_max = fmaxf(tile_max, logits[k]);
   }
-  RowAddressing row_of;
-  row_of.block_offsets = block_offsets;
-  row_of.block_shift = block_shift;
-  row_of.offset_mask = block_size - 1;
-  row_of.head_dim = HeadDim;
-  __syncthreads();  // block_offsets and query ready
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+  const float new_max = fmaxf(state.running_max, tile_max);
+  const float reference = new_max == -INFINITY ? 0.0f : new_max;
+  const float rescale = exp2f(state.running_max - reference);
+  float probabilities[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) probabilities[k] = exp2f(logits[k] - reference);
+  state.running_sum = state.running_sum * rescale + (probabilities[0] + probabilities[1]) +
+                      (probabilities[2] + probabilities[3]);
+  state.running_max = new_max;
 
-  const T* k_cache = static_cast<const T*>(params.k_cache);
-  const T* v_cache = static_cast<const T*>(params.v_cache);
-  const float scale = params.scale * kLog2e;
-  float running_max = -INFINITY;  // of head `row`, the same in the row group's four lanes
-  float running_sum = 0.0f;       // this lane's share of head `row`'s sum
-  // O^T accumulators per dim tile: (dim row, head 2 quad), (row, 2 quad + 1), (row + 8, 2 quad),
-  // (row + 8, 2 quad + 1), where dim tile i's row r is dim kValueElements r + i and row r + 8
-  // is dim kValueElements r + kDimTiles + i.
-  float acc[kDimTiles][4];
+  // The accumulators hold heads 2 quad and 2 quad + 1, whose factors row groups 2 quad and
+  // 2 quad + 1 computed.
+  const float rescale_even = __shfl_sync(kFullMask, rescale, 8 * quad);
+  const float rescale_odd = __shfl_sync(kFullMask, rescale, 8 * quad + 4);
 #pragma unroll
   for (int i = 0; i < kDimTiles; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+    state.acc[i][0] *= rescale_even;
+    state.acc[i][1] *= rescale_odd;
+    state.acc[i][2] *= rescale_even;
+    state.acc[i][3] *= rescale_odd;
   }
 
-  const int tiles = (num_tokens + kMmaTileTokens - 1) / kMmaTileTokens;
-  for (int tile = warp; tile < tiles; tile += kWarps) {
-    const int base = tile * kMmaTileTokens;
-    // K rows of tokens base + row and base + 8 + row: this lane's 8 dims of each 32-dim slice.
-    uint4 keys[2][kKeyVectors];
+  // P^T's B fragment (k = tokens, n = head `row`), as T and as the T-rounded remainder.
+  const uint32_t high_first = pack_pair<T>(probabilities[0], probabilities[1]);
+  const uint32_t high_second = pack_pair<T>(probabilities[2], probabilities[3]);
+  const uint32_t low_first = pack_pair<T>(probabilities[0] - round_to<T>(probabilities[0]),
+                                          probabilities[1] - round_to<T>(probabilities[1]));
+  const uint32_t low_second = pack_pair<T>(probabilities[2] - round_to<T>(probabilities[2]),
+                                           probabilities[3] - round_to<T>(probabilities[3]));
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int token = base + 8 * half + row;
-      const bool valid = token < num_tokens;
-      const T* key_row = k_cache + (valid ? row_of(token) : 0) + 8 * quad;
-#pragma unroll
-      for (int i = 0; i < kKeyVectors; ++i) {
-        keys[half][i] = valid ? load_vector(key_row + 32 * i) : make_uint4(0, 0, 0, 0);
-      }
-    }
-    // V rows of tokens base + 2 quad + {0, 1, 8, 9}: dims [kValueElements row, + kValueElements).
-    uint4 values[4][kValueVectors];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int token = base + 2 * quad + (t % 2) + 8 * (t / 2);
-      const bool valid = token < num_tokens;
-      const T* value_row = v_cache + (valid ? row_of(token) : 0) + kValueElements * row;
-#pragma unroll
-      for (int j = 0; j < kValueVectors; ++j) {
-        values[t][j] = valid ? load_vector(value_row + 8 * j) : make_uint4(0, 0, 0, 0);
-      }
-    }
-
-    // Scores of head `row` for tokens base + 8 half + 2 quad + {0, 1}.
-    float scores[2][4];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) scores[half][e] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kKeyVectors; ++i) {
-        // Q's A fragment: head `row`, the 8 dims at 32 i + 8 quad.
-        const uint4 q = query[row][4 * i + quad];
-        mma_m16n8k16<T>(scores[half], q.x, 0u, q.y, 0u, keys[half][i].x, keys[half][i].y);
-        mma_m16n8k16<T>(scores[half], q.z, 0u, q.w, 0u, keys[half][i].z, keys[half][i].w);
-      }
-    }
-    float logits[4];
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int token = base + 8 * (k / 2) + 2 * quad + (k % 2);
-      logits[k] = token < num_tokens ? scores[k / 2][k % 2] * scale : -INFINITY;
-      tile_max = fmaxf(tile_max, logits[k]);
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-    const float new_max = fmaxf(running_max, tile_max);
-    const float reference = new_max == -INFINITY ? 0.0f : new_max;
-    const float rescale = exp2f(running_max - reference);
-    float probabilities[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) probabilities[k] = exp2f(logits[k] - reference);
-    running_sum = running_sum * rescale + (probabilities[0] + probabilities[1]) +
-                  (probabilities[2] + probabilities[3]);
-    running_max = new_max;
-
-    // The accumulators hold heads 2 quad and 2 quad + 1, whose factors row groups 2 quad and
-    // 2 quad + 1 computed.
-    const float rescale_even = __shfl_sync(kFullMask, rescale, 8 * quad);
-    const float rescale_odd = __shfl_sync(kFullMask, rescale, 8 * quad + 4);
-#pragma unroll
-    for (int i = 0; i < kDimTiles; ++i) {
-      acc[i][0] *= rescale_even;
-      acc[i][1] *= rescale_odd;
-      acc[i][2] *= rescale_even;
-      acc[i][3] *= rescale_odd;
-    }
-
-    // P^T's B fragment (k = tokens, n = head `row`), as T and as the T-rounded remainder.
-    const uint32_t high_first = pack_pair<T>(probabilities[0], probabilities[1]);
-    const uint32_t high_second = pack_pair<T>(probabilities[2], probabilities[3]);
-    const uint32_t low_first = pack_pair<T>(probabilities[0] - round_to<T>(probabilities[0]),
-                                            probabilities[1] - round_to<T>(probabilities[1]));
-    const uint32_t low_second = pack_pair<T>(probabilities[2] - round_to<T>(probabilities[2]),
-                                             probabilities[3] - round_to<T>(probabilities[3]));
-#pragma unroll
-    for (int i = 0; i < kDimTiles; ++i) {
-      const int upper = kDimTiles + i;  // slice element of dim row row + 8
-      const uint32_t a0 = pair_elements(values[0][i / 8], values[1][i / 8], i % 8);
-      const uint32_t a1 = pair_elements(values[0][upper / 8], values[1][upper / 8], upper % 8);
-      const uint32_t a2 = pair_elements(values[2][i / 8], values[3][i / 8], i % 8);
-      const uint32_t a3 = pair_elements(values[2][upper / 8], values[3][upper / 8], upper % 8);
-      mma_m16n8k16<T>(acc[i], a0, a1, a2, a3, high_first, high_second);
-      mma_m16n8k16<T>(acc[i], a0, a1, a2, a3, low_first, low_second);
-    }
+  for (int i = 0; i < kDimTiles; ++i) {
+    const int upper = kDimTiles + i;  // slice element of dim row row + 8
+    const uint32_t a0 = pair_elements(values[0][i / 8], values[1][i / 8], i % 8);
+    const uint32_t a1 = pair_elements(values[0][upper / 8], values[1][upper / 8], upper % 8);
+    const uint32_t a2 = pair_elements(values[2][i / 8], values[3][i / 8], i % 8);
+    const uint32_t a3 = pair_elements(values[2][upper / 8], values[3][upper / 8], upper % 8);
+    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, high_first, high_second);
+    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, low_first, low_second);
   }
+}
 
-  // The warp's partial result into shared memory, dims back in place.
-  running_sum += __shfl_xor_sync(kFullMask, running_sum, 1);
-  running_sum += __shfl_xor_sync(kFullMask, running_sum, 2);
+// A warp's softmax state in shared memory, dims back in place: per head its max and sum, and
+// its unnormalized output [kMmaHeads][HeadDim].
+template <int HeadDim>
+struct WarpResult {
+  float maximum[kMmaHeads];
+  float sum[kMmaHeads];
+  float output[kMmaHeads][HeadDim];
+};
+
+template <int HeadDim>
+__device__ __forceinline__ void store_warp_result(WarpSoftmax<HeadDim>& state,
+                                                  WarpResult<HeadDim>& result, int row,
+                                                  int quad) {
+  constexpr int kValueElements = HeadDim / 8;
+  constexpr int kDimTiles = HeadDim / 16;
+  float sum = state.running_sum;
+  sum += __shfl_xor_sync(kFullMask, sum, 1);
+  sum += __shfl_xor_sync(kFullMask, sum, 2);
   if (quad == 0) {
-    warp_maxima[warp][row] = running_max;
-    warp_sums[warp][row] = running_sum;
+    result.maximum[row] = state.running_max;
+    result.sum[row] = sum;
   }
 #pragma unroll
   for (int i = 0; i < kDimTiles; ++i) {
     const int dim = kValueElements * row + i;
-    warp_outputs[warp][2 * quad][dim] = acc[i][0];
-    warp_outputs[warp][2 * quad + 1][dim] = acc[i][1];
-    warp_outputs[warp][2 * quad][dim + kDimTiles] = acc[i][2];
-    warp_outputs[warp][2 * quad + 1][dim + kDimTiles] = acc[i][3];
+    result.output[2 * quad][dim] = state.acc[i][0];
+    result.output[2 * quad + 1][dim] = state.acc[i][1];
+    result.output[2 * quad][dim + kDimTiles] = state.acc[i][2];
+    result.output[2 * quad + 1][dim + kDimTiles] = state.acc[i][3];
   }
-  __syncthreads();
+}
 
-  // Merge the warps (log-sum-exp) per head and dim.
-  for (int i = tid; i < heads_here * HeadDim; i += kThreads) {
+// The log-sum-exp merge of `Results` warp results, per head and dim, by `threads` threads
+// (this one is `thread`): normalized into `out` (the first served head's row), or, for a split
+// sequence, unnormalized into the partial buffers of `partition`.
+template <typename T, int HeadDim, int Results>
+__device__ __forceinline__ void merge_warp_results(const WarpResult<HeadDim>* results,
+                                                   int heads_here, int thread, int threads,
+                                                   bool split,
+                                                   const PagedDecodeAttentionParams& params,
+                                                   int64_t first_row, int partition) {
+  T* out = static_cast<T*>(params.out) + first_row * HeadDim;
+  for (int i = thread; i < heads_here * HeadDim; i += threads) {
     const int h = i / HeadDim;
     const int d = i % HeadDim;
     float maximum = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) maximum = fmaxf(maximum, warp_maxima[w][h]);
+    for (int w = 0; w < Results; ++w) maximum = fmaxf(maximum, results[w].maximum[h]);
     float total = 0.0f;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float weight = exp2f(warp_maxima[w][h] - maximum);
-      total = fmaf(weight, warp_outputs[w][h][d], total);
-      sum = fmaf(weight, warp_sums[w][h], sum);
+    for (int w = 0; w < Results; ++w) {
+      const float weight = exp2f(results[w].maximum[h] - maximum);
+      total = fmaf(weight, results[w].output[h][d], total);
+      sum = fmaf(weight, results[w].sum[h], sum);
     }
     if (split) {
       const int64_t slot = (first_row + h) * params.max_partitions + partition;
@@ -308,6 +274,172 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSm)
   }
 }
 
+// T: float16 or bfloat16; HeadDim: 64 or 128; Warps per block, PartitionSize tokens,
+// MinBlocksPerSm resident blocks (the register budget) and WarpsPerItem (1, 2 or Warps).
+//
+// A block serves Warps / WarpsPerItem "items", each a KV head's chunk of up to kMmaHeads query
+// heads (chunk c of a sequence is KV head c / head_chunks): the WarpsPerItem warps of an item
+// deal its partition's tiles round robin and merge their results.
+template <typename T, int HeadDim, int Warps, int PartitionSize, int MinBlocksPerSm,
+          int WarpsPerItem>
+__global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
+    paged_decode_attention_mma_kernel(const PagedDecodeAttentionParams params) {
+  constexpr int kThreads = Warps * kWarpSize;
+  constexpr int kItemsPerBlock = Warps / WarpsPerItem;
+  constexpr int kRowVectors = HeadDim / 8;  // 16-byte vectors of a row
+  static_assert(HeadDim == 64 || HeadDim == 128, "tensor-core decode takes head_dim 64 or 128");
+  static_assert(PartitionSize % kMmaTileTokens == 0, "a partition holds whole tiles");
+  static_assert(Warps % WarpsPerItem == 0, "a block holds whole items");
+
+  __shared__ int64_t block_offsets[PartitionSize / kMinBlockSize];
+  // Query rows per item; one vector of padding per row, so the row groups of a warp read
+  // different banks.
+  __shared__ uint4 query[kItemsPerBlock][kMmaHeads][kRowVectors + 1];
+  __shared__ WarpResult<HeadDim> results[Warps];
+
+  const int tid = threadIdx.x;
+  const int lane = tid % kWarpSize;
+  const int warp = tid / kWarpSize;
+  const int row = lane / 4;   // fragment row group: a query head, a key token, a V dim slice
+  const int quad = lane % 4;  // lane within the row group
+
+  const int seq = blockIdx.x;
+  const int partition = blockIdx.z;
+  const int group = params.num_heads / params.num_kv_heads;
+  const int head_chunks = (group + kMmaHeads - 1) / kMmaHeads;
+  const int first_item = blockIdx.y * kItemsPerBlock;
+  const int items_here = min(kItemsPerBlock, params.num_kv_heads * head_chunks - first_item);
+  const int64_t seq_row = static_cast<int64_t>(seq) * params.num_heads;
+  // Item i of this block: its first query head and how many it serves.
+  const auto item_first_head = [&](int i) {
+    const int chunk = first_item + i;
+    return chunk / head_chunks * group + chunk % head_chunks * kMmaHeads;
+  };
+  const auto item_heads = [&](int i) {
+    return min(kMmaHeads, group - (first_item + i) % head_chunks * kMmaHeads);
+  };
+
+  const int start = partition * PartitionSize;
+  const int block_size = params.block_size;
+  const int block_shift = __ffs(block_size) - 1;
+  const int* table_row = params.block_table +
+                         static_cast<int64_t>(seq) * params.block_table_stride +
+                         (start >> block_shift);
+  const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
+  const int seq_len = params.seq_lens[seq];
+  if (start >= seq_len) {
+    if (partition == 0) {
+      for (int i = 0; i < items_here; ++i) {
+        T* out = static_cast<T*>(params.out) + (seq_row + item_first_head(i)) * HeadDim;
+        for (int e = tid; e < item_heads(i) * HeadDim; e += kThreads) out[e] = from_float<T>(0.0f);
+      }
+    }
+    return;
+  }
+  const int num_tokens = min(PartitionSize, seq_len - start);
+  const bool split = seq_len > PartitionSize;
+
+  // The partition's block-table entries, as element offsets of their blocks, and each item's
+  // query rows (zero past the heads it serves), read back per tile as Q's A fragment.
+  for (int i = tid; i < (num_tokens + block_size - 1) >> block_shift; i += kThreads) {
+    block_offsets[i] = table_row[i] * block_stride;
+  }
+  for (int i = tid; i < items_here * kMmaHeads * kRowVectors; i += kThreads) {
+    const int item = i / (kMmaHeads * kRowVectors);
+    const int h = i / kRowVectors % kMmaHeads;
+    const int v = i % kRowVectors;
+    uint4 vector = make_uint4(0, 0, 0, 0);
+    if (h < item_heads(item)) {
+      vector = load_vector(static_cast<const T*>(params.q) +
+                           (seq_row + item_first_head(item) + h) * HeadDim + 8 * v);
+    }
+    query[item][h][v] = vector;
+  }
+  RowAddressing row_of;
+  row_of.block_offsets = block_offsets;
+  row_of.block_shift = block_shift;
+  row_of.offset_mask = block_size - 1;
+  row_of.head_dim = HeadDim;
+  __syncthreads();  // block_offsets and query ready
+
+  const int item = warp / WarpsPerItem;
+  const int member = warp % WarpsPerItem;  // this warp's place among its item's warps
+  const bool active = item < items_here;   // false for the spare warps of a block's last item
+  if (active) {
+    const int64_t head_offset =
+        static_cast<int64_t>((first_item + item) / head_chunks) * block_size * HeadDim;
+    const T* k_cache = static_cast<const T*>(params.k_cache) + head_offset;
+    const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
+    const float scale = params.scale * kLog2e;
+    WarpSoftmax<HeadDim> state;
+    const int tiles = (num_tokens + kMmaTileTokens - 1) / kMmaTileTokens;
+    for (int tile = member; tile < tiles; tile += WarpsPerItem) {
+      attend_tile<T, HeadDim>(state, query[item], k_cache, v_cache, row_of,
+                              tile * kMmaTileTokens, num_tokens, scale, row, quad);
+    }
+    store_warp_result(state, results[warp], row, quad);
+  }
+  if constexpr (WarpsPerItem == 1) {
+    __syncwarp();
+  } else {
+    __syncthreads();  // the item's warps' results ready
+  }
+  if (active) {
+    merge_warp_results<T, HeadDim, WarpsPerItem>(
+        results + item * WarpsPerItem, item_heads(item), member * kWarpSize + lane,
+        WarpsPerItem * kWarpSize, split, params, seq_row + item_first_head(item), partition);
+  }
+}
+
+// Warps per item for a grid of `items` (sequence, head chunk) pairs per partition: the
+// variant's warps_per_item, or, where that is 0, the fewest (1, 2 or the block's warps) that
+// put more than kMinWaveShare of a full wave of resident warps on the device. One warp per item
+// leaves out the merge across warps and spreads a block's fixed costs over more items, but a
+// grid with few items then fills only part of the GPU; more warps per item deal a partition's
+// tiles among them.
+template <typename Config>
+int choose_warps_per_item(int64_t items) {
+  if constexpr (Config::kWarpsPerItem != 0) {
+    return Config::kWarpsPerItem;
+  } else {
+    int device = 0;
+    int multiprocessors = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    const int64_t wave = static_cast<int64_t>(multiprocessors) * Config::kMinBlocksPerSm *
+                         Config::kWarps;
+    for (int warps = 1; warps < Config::kWarps; warps *= 2) {
+      if (items * warps * kMinWaveShareDenominator > wave * kMinWaveShareNumerator) return warps;
+    }
+    return Config::kWarps;
+  }
+}
+
+// The kernel for one head_dim and warps per item; false where head_dim is not 64 or 128.
+template <typename T, typename Config, int WarpsPerItem>
+bool launch_mma_kernel(const PagedDecodeAttentionParams& params, int items_per_seq,
+                       cudaStream_t stream) {
+  constexpr int kItemsPerBlock = Config::kWarps / WarpsPerItem;
+  const dim3 grid(params.num_seqs, (items_per_seq + kItemsPerBlock - 1) / kItemsPerBlock,
+                  params.max_partitions);
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, Config::kThreads, 0, stream>>>(params);
+    return true;
+  };
+  constexpr int kWarps = Config::kWarps;
+  constexpr int kPartition = Config::kPartitionSize;
+  constexpr int kResident = Config::kMinBlocksPerSm;
+  if (params.head_dim == 64) {
+    return launch(paged_decode_attention_mma_kernel<T, 64, kWarps, kPartition, kResident,
+                                                    WarpsPerItem>);
+  }
+  if (params.head_dim == 128) {
+    return launch(paged_decode_attention_mma_kernel<T, 128, kWarps, kPartition, kResident,
+                                                    WarpsPerItem>);
+  }
+  return false;
+}
+
 // Launches the tensor-core kernel with Config for the parameters' head_dim; false (nothing
 // launched) where it does not apply: a float32 cache or a head_dim other than 64 and 128.
 template <typename T, typename Config>
@@ -316,17 +448,16 @@ bool launch_tensor_core_decode(const PagedDecodeAttentionParams& params, cudaStr
     return false;
   } else {
     const int group = params.num_heads / params.num_kv_heads;
-    const int head_chunks = (group + kMmaHeads - 1) / kMmaHeads;
-    const dim3 grid(params.num_seqs, params.num_kv_heads * head_chunks, params.max_partitions);
-    if (params.head_dim == 64) {
-      paged_decode_attention_mma_kernel<T, 64, Config><<<grid, Config::kThreads, 0, stream>>>(params);
-      return true;
+    const int items_per_seq = params.num_kv_heads * ((group + kMmaHeads - 1) / kMmaHeads);
+    const int warps_per_item =
+        choose_warps_per_item<Config>(static_cast<int64_t>(params.num_seqs) * items_per_seq);
+    if (warps_per_item == 1) return launch_mma_kernel<T, Config, 1>(params, items_per_seq, stream);
+    if constexpr (Config::kWarps > 2) {
+      if (warps_per_item == 2) {
+        return launch_mma_kernel<T, Config, 2>(params, items_per_seq, stream);
+      }
     }
-    if (params.head_dim == 128) {
-      paged_decode_attention_mma_kernel<T, 128, Config><<<grid, Config::kThreads, 0, stream>>>(params);
-      return true;
-    }
-    return false;
+    return launch_mma_kernel<T, Config, Config::kWarps>(params, items_per_seq, stream);
   }
 }
 

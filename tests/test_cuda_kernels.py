@@ -30,7 +30,8 @@ pytestmark = [
 # The decode kernel variants of ops_cuda/launchers.h, in launcher order; the first test below
 # fails when the build's list differs.
 DECODE_VARIANTS = ("w4_l8_p512", "w4_l8_p512_pv", "w4_l8_p1024_pv", "w4_l8_p512_pv_et", "w4_l16_p1024_pv_et",
-                   "w4_l4_p512_pv_db_et", "w4_l8_p1024_pv_tc")
+                   "w4_l4_p512_pv_db_et", "w4_l8_p1024_pv_tc", "w4_l8_p1024_pv_tc_i1",
+                   "w4_l8_p1024_pv_tc_i2", "w4_l8_p1024_pv_tc_i4")
 DECODE_VARIANT_VARIABLE = "NEO_DECODE_ATTENTION_VARIANT"
 # Block id of the unused block-table entries: rows through it lie far outside any cache.
 UNUSED_BLOCK_ID = 2**31 - 1
@@ -138,6 +139,15 @@ def test_decode_every_head_dim_and_block_size(cuda_ops, decode_variant, head_dim
 def test_decode_group_sizes(cuda_ops, decode_variant, dtype, num_heads, num_kv_heads):
     """MHA, GQA groups of 2/3/4/7/20 and MQA with 16 heads (blocks serve up to 8 heads)."""
     check_decode(cuda_ops, [1, 17, 700, 64], num_heads, num_kv_heads, 128, 16, dtype)
+
+
+@pytest.mark.parametrize("num_seqs", [16, 100, 256])
+def test_decode_default_variant_at_every_batch_size(cuda_ops, monkeypatch, num_seqs):
+    """The default launch on batches from a few sequences to more than fill the GPU, where the
+    tensor-core kernel runs from four warps per KV head down to one (choose_warps_per_item)."""
+    monkeypatch.delenv(DECODE_VARIANT_VARIABLE, raising=False)
+    lengths = [1 + (97 * seq) % 600 for seq in range(num_seqs)]
+    check_decode(cuda_ops, lengths, 32, 8, 128, 16, torch.bfloat16, seed=num_seqs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
