@@ -26,7 +26,12 @@ of points (context up to the build's ``decode_short_context_tokens``, and longer
 with the lowest geometric mean of its time over the best SDPA, among those correct at every
 point of the class.
 
+``--points 96x512,160x256`` measures other decode points, ``--variants A,B`` sweeps only those
+variants, and ``--graph-replay`` times the decode calls (neo's and SDPA's) replayed from one CUDA
+graph per input cycle instead of launched from Python.
+
 Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick] [--sweep]
+       [--points SxC,...] [--variants NAME,...] [--graph-replay]
 """
 
 import argparse
@@ -54,25 +59,48 @@ SWEEP_TOLERANCE = 1.6e-2
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
 
 
-def time_per_call(calls, repeats: int, min_seconds: float = 0.01) -> float:
-    """Median seconds per call of a loop over ``calls`` (callables cycled in order)."""
+def time_per_call(calls, repeats: int, min_seconds: float = 0.01,
+                  graph_replay: bool = False) -> float:
+    """Median seconds per call of a loop over ``calls`` (callables cycled in order). With
+    ``graph_replay`` the loop replays one CUDA graph that holds each call once, as the engine's
+    decode iterations run: no launch from Python between the kernels."""
     for call in calls:
         call()
     torch.cuda.synchronize()
+    steps, calls_per_step = calls, 1
+    if graph_replay:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        steps, calls_per_step = [graph.replay], len(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed_loop(count: int) -> float:
         start.record()
         for index in range(count):
-            calls[index % len(calls)]()
+            steps[index % len(steps)]()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3 / count
+        return start.elapsed_time(end) / 1e3 / count / calls_per_step
 
-    estimate = timed_loop(len(calls))
-    count = max(len(calls), math.ceil(min_seconds / max(estimate, 1e-7)))
-    count = math.ceil(count / len(calls)) * len(calls)
+    estimate = timed_loop(len(steps))
+    count = max(len(steps), math.ceil(min_seconds / max(estimate * calls_per_step, 1e-7)))
+    count = math.ceil(count / len(steps)) * len(steps)
     return statistics.median(timed_loop(count) for _ in range(repeats))
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"256x128,64x4096"`` -> [(256, 128), (64, 4096)]: decode points as sequences x context."""
+    points = []
+    for item in text.split(","):
+        seqs, _, context = item.strip().partition("x")
+        if not (seqs.isdigit() and context.isdigit() and int(seqs) > 0 and int(context) > 0):
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not a decode point SEQUENCESxCONTEXT with both > 0 "
+                f"(e.g. 256x128)")
+        points.append((int(seqs), int(context)))
+    return points
 
 
 def copy_bandwidth(repeats: int) -> float:
@@ -110,14 +138,14 @@ def decode_inputs(num_seqs: int, context: int, generator: torch.Generator):
     return sets, kv_bytes
 
 
-def neo_seconds(sets, repeats: int) -> float:
+def neo_seconds(sets, repeats: int, graph_replay: bool) -> float:
     calls = [lambda arguments=arguments: torch.ops.neo.paged_decode_attention(*arguments)
              for arguments in sets]
-    return time_per_call(calls, repeats)
+    return time_per_call(calls, repeats, graph_replay=graph_replay)
 
 
-def best_sdpa_seconds(num_seqs: int, context: int, repeats: int,
-                      generator: torch.Generator) -> dict:
+def best_sdpa_seconds(num_seqs: int, context: int, repeats: int, generator: torch.Generator,
+                      graph_replay: bool) -> dict:
     """torch SDPA on contiguous KV of the same shapes: {"enable_gqa": s, "expanded_kv": s}."""
     dtype = torch.bfloat16
     scale = HEAD_DIM ** -0.5
@@ -140,19 +168,19 @@ def best_sdpa_seconds(num_seqs: int, context: int, repeats: int,
             gqa = variant == "enable_gqa"
             calls.append(lambda q=q, k=keys, v=values, gqa=gqa:
                          F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa))
-        seconds[variant] = time_per_call(calls, repeats)
+        seconds[variant] = time_per_call(calls, repeats, graph_replay=graph_replay)
         del calls
         torch.cuda.empty_cache()
     return seconds
 
 
 def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_second: float,
-                 generator: torch.Generator) -> dict:
+                 generator: torch.Generator, graph_replay: bool) -> dict:
     sets, kv_bytes = decode_inputs(num_seqs, context, generator)
-    seconds = neo_seconds(sets, repeats)
+    seconds = neo_seconds(sets, repeats, graph_replay)
     del sets
     torch.cuda.empty_cache()
-    sdpa = best_sdpa_seconds(num_seqs, context, repeats, generator)
+    sdpa = best_sdpa_seconds(num_seqs, context, repeats, generator, graph_replay)
     return {
         "num_seqs": num_seqs,
         "context": context,
@@ -168,7 +196,8 @@ def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_secon
 
 
 def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: int,
-                copy_bytes_per_second: float, generator: torch.Generator) -> dict:
+                copy_bytes_per_second: float, generator: torch.Generator,
+                graph_replay: bool) -> dict:
     """Every decode variant at one point, each checked against the reference on the first
     input set. The variable is restored to its previous state on return."""
     sets, kv_bytes = decode_inputs(num_seqs, context, generator)
@@ -183,7 +212,7 @@ def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: i
             out.fill_(float("nan"))
             torch.ops.neo.paged_decode_attention(*sets[0])
             error = (out.float() - expected.float()).abs().max().item()
-            seconds = neo_seconds(sets, repeats)
+            seconds = neo_seconds(sets, repeats, graph_replay)
             results[variant] = {
                 "neo_ms": seconds * 1e3,
                 "percent_of_copy_bandwidth": 100 * kv_bytes / seconds / copy_bytes_per_second,
@@ -192,7 +221,7 @@ def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: i
             }
         # The first variant once more: how far the timing drifted over the sweep of this point.
         os.environ[variable] = variants[0]
-        again = neo_seconds(sets, repeats) * 1e3
+        again = neo_seconds(sets, repeats, graph_replay) * 1e3
         first = results[variants[0]]["neo_ms"]
         drift_percent = 100 * (again - first) / first
     finally:
@@ -202,7 +231,7 @@ def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: i
             os.environ[variable] = previous
     del sets, expected
     torch.cuda.empty_cache()
-    sdpa = min(best_sdpa_seconds(num_seqs, context, repeats, generator).values())
+    sdpa = min(best_sdpa_seconds(num_seqs, context, repeats, generator, graph_replay).values())
     for row in results.values():
         row["neo_over_best_sdpa"] = row["neo_ms"] / 1e3 / sdpa
     correct = {name: row for name, row in results.items() if row["correct"]}
@@ -235,9 +264,14 @@ def best_per_class(report: dict) -> dict:
     return classes
 
 
+def timing_label(report: dict) -> str:
+    return ("decode calls replayed from CUDA graphs" if report["graph_replay"]
+            else "decode calls launched from Python")
+
+
 def print_sweep(report: dict) -> None:
     print(f"\n{report['device']} | torch {report['torch']} | device-to-device copy "
-          f"{report['copy_gb_per_s']:.0f} GB/s (read + write)")
+          f"{report['copy_gb_per_s']:.0f} GB/s (read + write) | {timing_label(report)}")
     print("\npaged_decode_attention variants, bf16, 32/8 heads, head_dim 128, block 16; per point "
           "(seqs x context): % of copy bandwidth and time over the best SDPA (X: outside "
           "tolerance)")
@@ -363,7 +397,7 @@ def swap_case(repeats: int, generator: torch.Generator) -> dict:
 
 def print_tables(report: dict) -> None:
     print(f"\n{report['device']} | torch {report['torch']} | device-to-device copy "
-          f"{report['copy_gb_per_s']:.0f} GB/s (read + write)")
+          f"{report['copy_gb_per_s']:.0f} GB/s (read + write) | {timing_label(report)}")
     print("\npaged_decode_attention, bf16, 32/8 heads, head_dim 128, block 16")
     header = (f"{'seqs':>5} {'context':>8} {'neo ms':>9} {'KV GB/s':>8} {'% copy':>7} "
               f"{'sdpa gqa ms':>12} {'sdpa exp ms':>12} {'neo/sdpa':>9}")
@@ -381,16 +415,23 @@ def print_tables(report: dict) -> None:
               f"{row['speedup_over_reference']:>8.1f} {bandwidth}  {row['shape']}")
 
 
-def run_sweep(report: dict, points, repeats: int, copy: float, generator: torch.Generator,
-              json_path: str | None) -> int:
+def run_sweep(report: dict, points, variants, repeats: int, copy: float,
+              generator: torch.Generator, graph_replay: bool, json_path: str | None) -> int:
+    """``variants``: names of compiled decode variants, or None for every one."""
     module = importlib.import_module("neo.ops._cuda_kernels")
-    variants = list(module.decode_variants)
+    built = list(module.decode_variants)
+    unknown = [name for name in variants or [] if name not in built]
+    if unknown:
+        print(f"cuda_kernels: --variants names no compiled decode variant: {unknown}; this build "
+              f"has {built}", file=sys.stderr)
+        return 2
+    variants = variants or built
     report["variants"] = variants
     report["short_context_tokens"] = module.decode_short_context_tokens
     report["sweep"] = []
     for num_seqs, context in points:
         point = sweep_point(num_seqs, context, variants, module.decode_variant_variable, repeats,
-                            copy, generator)
+                            copy, generator, graph_replay)
         report["sweep"].append(point)
         best = point["variants"].get(point["best"])
         summary = (f"best {point['best']}: {best['percent_of_copy_bandwidth']:.1f}% of copy "
@@ -419,8 +460,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="every decode kernel variant at every decode point (and no other "
                              "kernels)")
+    parser.add_argument("--points", type=parse_points, metavar="SxC,...",
+                        help=f"decode points (sequences x context) instead of {DECODE_POINTS}")
+    parser.add_argument("--variants", type=lambda text: text.split(","), metavar="NAME,...",
+                        help="with --sweep: these compiled decode variants only")
+    parser.add_argument("--graph-replay", action="store_true",
+                        help="time the decode calls (neo's and SDPA's) replayed from a CUDA "
+                             "graph, as the engine's decode iterations run, instead of launched "
+                             "one by one from Python")
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args(argv)
+    if arguments.variants and not arguments.sweep:
+        parser.error("--variants selects among the variants of --sweep")
     if not torch.cuda.is_available():
         print("cuda_kernels: no CUDA device; nothing to measure", file=sys.stderr)
         return 1
@@ -432,7 +483,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     repeats = 5 if arguments.quick else arguments.repeats
-    points = QUICK_DECODE_POINTS if arguments.quick else DECODE_POINTS
+    points = arguments.points or (QUICK_DECODE_POINTS if arguments.quick else DECODE_POINTS)
     generator = torch.Generator(device="cuda").manual_seed(arguments.seed)
     copy = copy_bandwidth(repeats)
     report = {
@@ -440,13 +491,15 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "copy_gb_per_s": copy / 1e9,
+        "graph_replay": arguments.graph_replay,
         "decode": [],
         "kernels": [],
     }
     if arguments.sweep:
-        return run_sweep(report, points, repeats, copy, generator, arguments.json)
+        return run_sweep(report, points, arguments.variants, repeats, copy, generator,
+                         arguments.graph_replay, arguments.json)
     for num_seqs, context in points:
-        row = decode_point(num_seqs, context, repeats, copy, generator)
+        row = decode_point(num_seqs, context, repeats, copy, generator, arguments.graph_replay)
         report["decode"].append(row)
         print(f"decode {num_seqs} x {context}: {row['neo_ms']:.3f} ms, "
               f"{row['percent_of_copy_bandwidth']:.1f}% of copy bandwidth, "
