@@ -214,8 +214,9 @@ struct WarpResult {
   float output[kMmaHeads][HeadDim];
 };
 
+// Writes the warp's state into `result`; every lane of the warp takes part.
 template <int HeadDim>
-__device__ __forceinline__ void store_warp_result(WarpSoftmax<HeadDim>& state,
+__device__ __forceinline__ void store_warp_result(const WarpSoftmax<HeadDim>& state,
                                                   WarpResult<HeadDim>& result, int row,
                                                   int quad) {
   constexpr int kValueElements = HeadDim / 8;
