@@ -31,8 +31,9 @@ struct DecodeVariant {
                         // they are in flight while the block waits at its barriers
   bool double_buffered; // each warp issues the loads of its next K or V chunk before using
                         // the current one (twice the load registers)
-  bool early_table;     // the partition's block-table entries and the query are loaded
-                        // together with seq_len instead of after it
+  bool early_table;     // CUDA-core kernel: the partition's block-table entries and the query
+                        // are loaded together with seq_len instead of after it (the
+                        // tensor-core kernel always does)
   int resident_warps;   // warps per SM the register allocation must leave room for
   bool tensor_cores;    // float16 and bfloat16 caches with head_dim 64 or 128 run the
                         // tensor-core kernel (warps, partition_size, resident_warps and

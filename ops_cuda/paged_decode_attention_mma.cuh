@@ -6,11 +6,13 @@
 // of W warps serves W / warps_per_item items of one sequence and partition, and shares their
 // block-table entries. The warps of an item take tiles of kMmaTileTokens tokens in turn, each
 // with its own online softmax (flash-decoding within the item), so no barrier separates the K
-// loads from the V loads; they merge their partial outputs at the end. With one warp per item
-// nothing is merged across warps and a block's fixed costs (the sequence's length, its table,
-// the barrier) are spread over W items: that is what short contexts need. The launcher picks
-// warps_per_item from how many items a partition has (choose_warps_per_item), so that small
-// batches still fill the GPU.
+// loads from the V loads; they merge their partial outputs at the end through shared memory.
+// With one warp per item nothing is merged across warps: the warp writes its heads' outputs
+// straight from its accumulators, and a block's fixed costs (the sequence's length, its table,
+// the barrier) are spread over W items: that is what short contexts need. A block issues the
+// loads of its table entries and query rows together with the sequence's length, so the start
+// waits for one load, not three in turn. The launcher picks warps_per_item from how many items
+// a partition has (choose_warps_per_item), so that small batches still fill the GPU.
 //
 // Both products are warp-wide mma.sync m16n8k16 with float32 accumulators:
 //
@@ -101,44 +103,75 @@ struct WarpSoftmax {
   float acc[kDimTiles][4] = {};
 };
 
-// Attends the query rows `query` (kMmaHeads rows of HeadDim / 8 vectors and one of padding,
-// zero past the heads served) to partition tokens [base, base + kMmaTileTokens), masking those
-// from `num_tokens` on. k_cache and v_cache point at this KV head's rows of block 0.
-template <typename T, int HeadDim>
-__device__ __forceinline__ void attend_tile(WarpSoftmax<HeadDim>& state,
-                                            const uint4 (*query)[HeadDim / 8 + 1],
-                                            const T* k_cache, const T* v_cache,
-                                            const RowAddressing& row_of, int base, int num_tokens,
-                                            float scale, int row, int quad) {
-  constexpr int kKeyVectors = HeadDim / 32;    // a lane's 16-byte loads of one K row
-  constexpr int kValueElements = HeadDim / 8;  // consecutive dims of a V row a lane covers
-  constexpr int kValueVectors = kValueElements / 8;
-  constexpr int kDimTiles = HeadDim / 16;      // m16 tiles of the value product
+// A lane's share of one tile's K and V rows: K rows of tokens base + row and base + 8 + row
+// (this lane's 8 dims of each 32-dim slice, kKeyVectors vectors per row, index half *
+// kKeyVectors + i), V rows of tokens base + 2 quad + {0, 1, 8, 9} (dims [HeadDim / 8 row, +
+// HeadDim / 8), kValueVectors vectors per row, index t * kValueVectors + j). Tokens from
+// `num_tokens` on read as zeros.
+template <int HeadDim>
+struct TileShape {
+  static constexpr int kKeyVectors = HeadDim / 32;
+  static constexpr int kValueElements = HeadDim / 8;
+  static constexpr int kValueVectors = kValueElements / 8;
+  static constexpr int kKeyTotal = 2 * kKeyVectors;
+  static constexpr int kValueTotal = 4 * kValueVectors;
+};
 
-  // K rows of tokens base + row and base + 8 + row: this lane's 8 dims of each 32-dim slice.
-  uint4 keys[2][kKeyVectors];
+// Issues the loads of tile `base`'s K rows; k_cache points at this KV head's rows of block 0.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void load_tile_keys(uint4 (&keys)[TileShape<HeadDim>::kKeyTotal],
+                                               const T* k_cache, const RowAddressing& row_of,
+                                               int base, int num_tokens, int row, int quad) {
+  using Shape = TileShape<HeadDim>;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int token = base + 8 * half + row;
     const bool valid = token < num_tokens;
     const T* key_row = k_cache + (valid ? row_of(token) : 0) + 8 * quad;
 #pragma unroll
-    for (int i = 0; i < kKeyVectors; ++i) {
-      keys[half][i] = valid ? load_vector(key_row + 32 * i) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < Shape::kKeyVectors; ++i) {
+      keys[half * Shape::kKeyVectors + i] =
+          valid ? load_vector(key_row + 32 * i) : make_uint4(0, 0, 0, 0);
     }
   }
-  // V rows of tokens base + 2 quad + {0, 1, 8, 9}: dims [kValueElements row, + kValueElements).
-  uint4 values[4][kValueVectors];
+}
+
+// Issues the loads of tile `base`'s V rows; v_cache points at this KV head's rows of block 0.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void load_tile_values(uint4 (&values)[TileShape<HeadDim>::kValueTotal],
+                                                 const T* v_cache, const RowAddressing& row_of,
+                                                 int base, int num_tokens, int row, int quad) {
+  using Shape = TileShape<HeadDim>;
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const int token = base + 2 * quad + (t % 2) + 8 * (t / 2);
     const bool valid = token < num_tokens;
-    const T* value_row = v_cache + (valid ? row_of(token) : 0) + kValueElements * row;
+    const T* value_row = v_cache + (valid ? row_of(token) : 0) + Shape::kValueElements * row;
 #pragma unroll
-    for (int j = 0; j < kValueVectors; ++j) {
-      values[t][j] = valid ? load_vector(value_row + 8 * j) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < Shape::kValueVectors; ++j) {
+      values[t * Shape::kValueVectors + j] =
+          valid ? load_vector(value_row + 8 * j) : make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+// P^T's B fragment of one tile (k = tokens, n = head `row`): the probabilities as T and as the
+// T-rounded remainder, each for tokens 2 quad + {0, 1} and 8 + 2 quad + {0, 1}.
+struct TileProbabilities {
+  uint32_t high_first, high_second, low_first, low_second;
+};
+
+// The scores of tile `base` (K rows in `keys`, tokens from `num_tokens` on masked) for the
+// query rows `query` (kMmaHeads rows of HeadDim / 8 vectors and one of padding, zero past the
+// heads served), folded into the warp's online softmax: returns the tile's probabilities and
+// rescales the accumulators to the new running max.
+template <typename T, int HeadDim>
+__device__ __forceinline__ TileProbabilities tile_probabilities(
+    WarpSoftmax<HeadDim>& state, const uint4 (*query)[HeadDim / 8 + 1],
+    const uint4 (&keys)[TileShape<HeadDim>::kKeyTotal], int base, int num_tokens, float scale,
+    int row, int quad) {
+  constexpr int kKeyVectors = TileShape<HeadDim>::kKeyVectors;
+  constexpr int kDimTiles = HeadDim / 16;
 
   // Scores of head `row` for tokens base + 8 half + 2 quad + {0, 1}.
   float scores[2][4];
@@ -150,8 +183,9 @@ __device__ __forceinline__ void attend_tile(WarpSoftmax<HeadDim>& state,
     for (int i = 0; i < kKeyVectors; ++i) {
       // Q's A fragment: head `row`, the 8 dims at 32 i + 8 quad.
       const uint4 q = query[row][4 * i + quad];
-      mma_m16n8k16<T>(scores[half], q.x, 0u, q.y, 0u, keys[half][i].x, keys[half][i].y);
-      mma_m16n8k16<T>(scores[half], q.z, 0u, q.w, 0u, keys[half][i].z, keys[half][i].w);
+      const uint4& k = keys[half * kKeyVectors + i];
+      mma_m16n8k16<T>(scores[half], q.x, 0u, q.y, 0u, k.x, k.y);
+      mma_m16n8k16<T>(scores[half], q.z, 0u, q.w, 0u, k.z, k.w);
     }
   }
   float logits[4];
@@ -186,22 +220,59 @@ __device__ __forceinline__ void attend_tile(WarpSoftmax<HeadDim>& state,
     state.acc[i][3] *= rescale_odd;
   }
 
-  // P^T's B fragment (k = tokens, n = head `row`), as T and as the T-rounded remainder.
-  const uint32_t high_first = pack_pair<T>(probabilities[0], probabilities[1]);
-  const uint32_t high_second = pack_pair<T>(probabilities[2], probabilities[3]);
-  const uint32_t low_first = pack_pair<T>(probabilities[0] - round_to<T>(probabilities[0]),
-                                          probabilities[1] - round_to<T>(probabilities[1]));
-  const uint32_t low_second = pack_pair<T>(probabilities[2] - round_to<T>(probabilities[2]),
-                                           probabilities[3] - round_to<T>(probabilities[3]));
+  TileProbabilities fragment;
+  fragment.high_first = pack_pair<T>(probabilities[0], probabilities[1]);
+  fragment.high_second = pack_pair<T>(probabilities[2], probabilities[3]);
+  fragment.low_first = pack_pair<T>(probabilities[0] - round_to<T>(probabilities[0]),
+                                    probabilities[1] - round_to<T>(probabilities[1]));
+  fragment.low_second = pack_pair<T>(probabilities[2] - round_to<T>(probabilities[2]),
+                                     probabilities[3] - round_to<T>(probabilities[3]));
+  return fragment;
+}
+
+// O^T += V^T . P^T for one tile, V rows in `values` (TileShape's order).
+template <typename T, int HeadDim>
+__device__ __forceinline__ void accumulate_tile_values(
+    WarpSoftmax<HeadDim>& state, const uint4 (&values)[TileShape<HeadDim>::kValueTotal],
+    const TileProbabilities& p) {
+  constexpr int kValueVectors = TileShape<HeadDim>::kValueVectors;
+  constexpr int kDimTiles = HeadDim / 16;
+  // Token t's vector j (t: 2 quad + {0, 1}, then 8 + 2 quad + {0, 1}).
+  const auto value = [&](int t, int j) -> const uint4& { return values[t * kValueVectors + j]; };
 #pragma unroll
   for (int i = 0; i < kDimTiles; ++i) {
     const int upper = kDimTiles + i;  // slice element of dim row row + 8
-    const uint32_t a0 = pair_elements(values[0][i / 8], values[1][i / 8], i % 8);
-    const uint32_t a1 = pair_elements(values[0][upper / 8], values[1][upper / 8], upper % 8);
-    const uint32_t a2 = pair_elements(values[2][i / 8], values[3][i / 8], i % 8);
-    const uint32_t a3 = pair_elements(values[2][upper / 8], values[3][upper / 8], upper % 8);
-    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, high_first, high_second);
-    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, low_first, low_second);
+    const uint32_t a0 = pair_elements(value(0, i / 8), value(1, i / 8), i % 8);
+    const uint32_t a1 = pair_elements(value(0, upper / 8), value(1, upper / 8), upper % 8);
+    const uint32_t a2 = pair_elements(value(2, i / 8), value(3, i / 8), i % 8);
+    const uint32_t a3 = pair_elements(value(2, upper / 8), value(3, upper / 8), upper % 8);
+    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, p.high_first, p.high_second);
+    mma_m16n8k16<T>(state.acc[i], a0, a1, a2, a3, p.low_first, p.low_second);
+  }
+}
+
+// Attends an item's tiles member, member + Stride, ... (of `num_tokens` partition tokens) into
+// `state`, each tile's K and V loaded into registers at its start. k_cache and v_cache point at
+// this KV head's rows of block 0.
+template <typename T, int HeadDim, int Stride>
+__device__ __forceinline__ void attend_tiles(WarpSoftmax<HeadDim>& state,
+                                             const uint4 (*query)[HeadDim / 8 + 1],
+                                             const T* k_cache, const T* v_cache,
+                                             const RowAddressing& row_of, int member,
+                                             int num_tokens, float scale, int lane) {
+  using Shape = TileShape<HeadDim>;
+  const int row = lane / 4;
+  const int quad = lane % 4;
+  const int tiles = (num_tokens + kMmaTileTokens - 1) / kMmaTileTokens;
+  uint4 keys[Shape::kKeyTotal];
+  uint4 values[Shape::kValueTotal];
+  for (int tile = member; tile < tiles; tile += Stride) {
+    const int base = tile * kMmaTileTokens;
+    load_tile_keys<T, HeadDim>(keys, k_cache, row_of, base, num_tokens, row, quad);
+    load_tile_values<T, HeadDim>(values, v_cache, row_of, base, num_tokens, row, quad);
+    const TileProbabilities p =
+        tile_probabilities<T, HeadDim>(state, query, keys, base, num_tokens, scale, row, quad);
+    accumulate_tile_values<T, HeadDim>(state, values, p);
   }
 }
 
@@ -214,7 +285,8 @@ struct WarpResult {
   float output[kMmaHeads][HeadDim];
 };
 
-// Writes the warp's state into `result`; every lane of the warp takes part.
+// Writes the warp's state into `result` for the merge of an item's warps; every lane of the warp
+// takes part.
 template <int HeadDim>
 __device__ __forceinline__ void store_warp_result(const WarpSoftmax<HeadDim>& state,
                                                   WarpResult<HeadDim>& result, int row,
@@ -235,6 +307,56 @@ __device__ __forceinline__ void store_warp_result(const WarpSoftmax<HeadDim>& st
     result.output[2 * quad + 1][dim] = state.acc[i][1];
     result.output[2 * quad][dim + kDimTiles] = state.acc[i][2];
     result.output[2 * quad + 1][dim + kDimTiles] = state.acc[i][3];
+  }
+}
+
+// Writes a warp's result straight from its registers, for an item served by one warp: heads
+// first_row + 2 quad and + 2 quad + 1 (those below `heads_here`), dims [kValueElements row, +
+// kDimTiles) and [kValueElements row + kDimTiles, + kDimTiles), normalized into `out`, or, for a
+// split sequence, unnormalized into the partial buffers of `partition` with the heads' max and
+// sum (written by row group 0). Every lane of the warp takes part.
+template <typename T, int HeadDim>
+__device__ __forceinline__ void write_warp_output(const WarpSoftmax<HeadDim>& state,
+                                                  int heads_here, bool split,
+                                                  const PagedDecodeAttentionParams& params,
+                                                  int64_t first_row, int partition, int row,
+                                                  int quad) {
+  constexpr int kValueElements = HeadDim / 8;
+  constexpr int kDimTiles = HeadDim / 16;
+  float sum = state.running_sum;  // this lane's share of head `row`'s sum
+  sum += __shfl_xor_sync(kFullMask, sum, 1);
+  sum += __shfl_xor_sync(kFullMask, sum, 2);
+#pragma unroll
+  for (int parity = 0; parity < 2; ++parity) {
+    const int h = 2 * quad + parity;
+    const int source = 4 * h;  // a lane of row group h, which holds head h's max and sum
+    const float head_sum = __shfl_sync(kFullMask, sum, source);
+    const float head_max = __shfl_sync(kFullMask, state.running_max, source);
+    if (h >= heads_here) continue;
+    const float factor = split ? 1.0f : 1.0f / head_sum;
+    float low[kDimTiles];
+    float high[kDimTiles];
+#pragma unroll
+    for (int i = 0; i < kDimTiles; ++i) {
+      low[i] = state.acc[i][parity] * factor;
+      high[i] = state.acc[i][2 + parity] * factor;
+    }
+    const int dim = kValueElements * row;
+    if (split) {
+      const int64_t slot = (first_row + h) * params.max_partitions + partition;
+      float* partial = params.partial_out + slot * HeadDim + dim;
+      store_floats<float, kDimTiles, kDimTiles % kVectorElements<float> == 0>(partial, low);
+      store_floats<float, kDimTiles, kDimTiles % kVectorElements<float> == 0>(partial + kDimTiles,
+                                                                             high);
+      if (row == 0) {
+        params.partial_max[slot] = head_max;
+        params.partial_sum[slot] = head_sum;
+      }
+    } else {
+      T* out = static_cast<T*>(params.out) + (first_row + h) * HeadDim + dim;
+      store_floats<T, kDimTiles, kDimTiles % kVectorElements<T> == 0>(out, low);
+      store_floats<T, kDimTiles, kDimTiles % kVectorElements<T> == 0>(out + kDimTiles, high);
+    }
   }
 }
 
@@ -327,7 +449,29 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
                          static_cast<int64_t>(seq) * params.block_table_stride +
                          (start >> block_shift);
   const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
+  // Issued before seq_len is needed, so their latencies overlap: every block-table entry the
+  // partition can use that the table holds, one a thread (those past seq_len go unread), and
+  // the items' query rows (zero past the heads an item serves), a few vectors a thread.
+  static_assert(PartitionSize / kMinBlockSize <= kThreads, "one table entry a thread");
+  constexpr int kQueryVectors = kItemsPerBlock * kMmaHeads * kRowVectors;
+  constexpr int kQueryVectorsPerThread = (kQueryVectors + kThreads - 1) / kThreads;
   const int seq_len = params.seq_lens[seq];
+  const int entries =
+      min(PartitionSize >> block_shift, params.max_blocks_per_seq - (start >> block_shift));
+  const int entry = tid < entries ? table_row[tid] : 0;
+  uint4 query_vectors[kQueryVectorsPerThread];
+#pragma unroll
+  for (int k = 0; k < kQueryVectorsPerThread; ++k) {
+    const int i = tid + k * kThreads;
+    const int item = i / (kMmaHeads * kRowVectors);
+    const int h = i / kRowVectors % kMmaHeads;
+    const int v = i % kRowVectors;
+    query_vectors[k] = make_uint4(0, 0, 0, 0);
+    if (i < kQueryVectors && item < items_here && h < item_heads(item)) {
+      query_vectors[k] = load_vector(static_cast<const T*>(params.q) +
+                                     (seq_row + item_first_head(item) + h) * HeadDim + 8 * v);
+    }
+  }
   if (start >= seq_len) {
     if (partition == 0) {
       for (int i = 0; i < items_here; ++i) {
@@ -340,21 +484,16 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
   const int num_tokens = min(PartitionSize, seq_len - start);
   const bool split = seq_len > PartitionSize;
 
-  // The partition's block-table entries, as element offsets of their blocks, and each item's
-  // query rows (zero past the heads it serves), read back per tile as Q's A fragment.
-  for (int i = tid; i < (num_tokens + block_size - 1) >> block_shift; i += kThreads) {
-    block_offsets[i] = table_row[i] * block_stride;
-  }
-  for (int i = tid; i < items_here * kMmaHeads * kRowVectors; i += kThreads) {
-    const int item = i / (kMmaHeads * kRowVectors);
-    const int h = i / kRowVectors % kMmaHeads;
-    const int v = i % kRowVectors;
-    uint4 vector = make_uint4(0, 0, 0, 0);
-    if (h < item_heads(item)) {
-      vector = load_vector(static_cast<const T*>(params.q) +
-                           (seq_row + item_first_head(item) + h) * HeadDim + 8 * v);
+  // The table entries as element offsets of their blocks, and the query rows, read back per
+  // tile as Q's A fragment.
+  if (tid < entries) block_offsets[tid] = entry * block_stride;
+#pragma unroll
+  for (int k = 0; k < kQueryVectorsPerThread; ++k) {
+    const int i = tid + k * kThreads;
+    if (i < kQueryVectors) {
+      query[i / (kMmaHeads * kRowVectors)][i / kRowVectors % kMmaHeads][i % kRowVectors] =
+          query_vectors[k];
     }
-    query[item][h][v] = vector;
   }
   RowAddressing row_of;
   row_of.block_offsets = block_offsets;
@@ -373,16 +512,16 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
     const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
     const float scale = params.scale * kLog2e;
     WarpSoftmax<HeadDim> state;
-    const int tiles = (num_tokens + kMmaTileTokens - 1) / kMmaTileTokens;
-    for (int tile = member; tile < tiles; tile += WarpsPerItem) {
-      attend_tile<T, HeadDim>(state, query[item], k_cache, v_cache, row_of,
-                              tile * kMmaTileTokens, num_tokens, scale, row, quad);
+    attend_tiles<T, HeadDim, WarpsPerItem>(state, query[item], k_cache, v_cache, row_of, member,
+                                           num_tokens, scale, lane);
+    if constexpr (WarpsPerItem == 1) {
+      write_warp_output<T, HeadDim>(state, item_heads(item), split, params,
+                                    seq_row + item_first_head(item), partition, row, quad);
+      return;
     }
     store_warp_result(state, results[warp], row, quad);
   }
-  if constexpr (WarpsPerItem == 1) {
-    __syncwarp();
-  } else {
+  if constexpr (WarpsPerItem > 1) {
     __syncthreads();  // the item's warps' results ready
   }
   if (active) {
