@@ -40,9 +40,10 @@ class DecoderLayerInterface(Protocol):
         hidden ``[T, hidden]``: the embeddings (first layer, ``residual`` None) or the previous
         layer's output (may be overwritten). residual ``[T, hidden]`` or None; updated in place
         and returned. K/V of rows whose ``meta.slot_mapping`` is not -1 are written to
-        ``k_cache`` / ``v_cache``. Returns contiguous ``q [T, H, D]``, ``k [T, KVH, D]``,
-        ``v [T, KVH, D]`` (model dtype, position encoding applied, ready for attention and for
-        the host cache) and the residual.
+        ``k_cache`` / ``v_cache``. Returns ``q [T, H, D]`` (contiguous), ``k [T, KVH, D]``,
+        ``v [T, KVH, D]`` (each head's features contiguous; the token stride may be wider, e.g.
+        views of a fused projection) in the model dtype, position encoding applied, ready for
+        attention and for the host cache, and the residual.
         """
         ...
 

@@ -114,8 +114,8 @@ class DecoderLayer(torch.nn.Module):
         ``[num_blocks, KVH, block_size, D]``: every token whose ``meta.slot_mapping`` entry is
         not -1 has its K/V written there.
 
-        Returns contiguous ``q [T, H, D]``, ``k [T, KVH, D]``, ``v [T, KVH, D]`` (rotary
-        applied to q and k) and the residual.
+        Returns ``q [T, H, D]``, ``k [T, KVH, D]``, ``v [T, KVH, D]`` as ``split_heads`` lays
+        them out (rotary applied to q and k) and the residual.
         """
         epsilon = self.config.rms_norm_eps
         if residual is None:
@@ -131,15 +131,18 @@ class DecoderLayer(torch.nn.Module):
         return q, k, v, residual
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The QKV projection ``[T, q_size + 2 * kv_size]`` -> contiguous ``q [T, H, D]``,
-        ``k [T, KVH, D]``, ``v [T, KVH, D]``, before rotary. A family that transforms the
-        heads before rotary (``qwen3.py``) overrides this."""
+        """The QKV projection ``[T, q_size + 2 * kv_size]`` -> ``q [T, H, D]``, ``k [T, KVH, D]``,
+        ``v [T, KVH, D]``, before rotary. q is a contiguous copy (the paged decode kernels read
+        it whole); k and v are views of ``qkv`` (token stride ``q_size + 2 * kv_size``), which
+        the rotary embedding, the cache store and prefill attention read in place, so a decode
+        step copies only the query. A family that transforms the heads before rotary
+        (``qwen3.py``) overrides this."""
         num_tokens = qkv.shape[0]
         config = self.config
         q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
         return (q.reshape(num_tokens, config.num_heads, config.head_dim).contiguous(),
-                k.reshape(num_tokens, config.num_kv_heads, config.head_dim).contiguous(),
-                v.reshape(num_tokens, config.num_kv_heads, config.head_dim).contiguous())
+                k.view(num_tokens, config.num_kv_heads, config.head_dim),
+                v.view(num_tokens, config.num_kv_heads, config.head_dim))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,

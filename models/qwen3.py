@@ -39,10 +39,11 @@ class Qwen3DecoderLayer(DecoderLayer):
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The QKV projection ``[T, q_size + 2 * kv_size]`` -> contiguous ``q [T, H, D]`` and
-        ``k [T, KVH, D]``, each head RMS-normalized, and ``v [T, KVH, D]``."""
+        ``k [T, KVH, D]``, each head RMS-normalized, and ``v [T, KVH, D]``, a view of ``qkv``
+        (see ``DecoderLayer.split_heads``)."""
         q, k, v = super().split_heads(qkv)
         return (self._normalize_heads(q, self.q_norm_weight),
-                self._normalize_heads(k, self.k_norm_weight), v)
+                self._normalize_heads(k.contiguous(), self.k_norm_weight), v)
 
     def _normalize_heads(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's features: contiguous ``heads [T, N, D]`` -> a new contiguous
