@@ -232,6 +232,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   params.block_table_stride = static_cast<int>(table.stride(0));
   params.max_blocks_per_seq = static_cast<int>(table.size(1));
   params.partition_size = partition_size;
+  params.partition_slack = neo_cuda::decode_partition_slack(variant, dtype, head_dim);
   params.max_partitions = max_partitions;
   params.scale = static_cast<float>(scale);
 

@@ -96,9 +96,28 @@ struct PagedDecodeAttentionParams {
   int block_table_stride;     // elements between rows of block_table
   int max_blocks_per_seq;     // columns of block_table
   int partition_size;         // the chosen variant's partition_size
+  int partition_slack;        // decode_partition_slack of the launch
   int max_partitions;         // ceil(max_blocks_per_seq * block_size / partition_size)
   float scale;                // softmax scale applied to q . k
 };
+
+// Whether kDecodeVariants[variant] runs the tensor-core kernel on a cache of `dtype` and
+// `head_dim` (else the CUDA-core kernel).
+inline bool decode_uses_tensor_cores(int variant, DataType dtype, int64_t head_dim) {
+  return kDecodeVariants[variant].tensor_cores && dtype != DataType::Float32 &&
+         (head_dim == 64 || head_dim == 128);
+}
+
+// Tokens past a whole number of partitions that a sequence's last partition takes itself
+// instead of leaving them to one more: the tensor-core kernel's last partition holds up to a
+// quarter partition more, so a sequence just past a partition boundary (a context of 1030
+// tokens) is neither split nor left with a short block at the grid's end and a merge. The
+// CUDA-core kernel takes none.
+inline int decode_partition_slack(int variant, DataType dtype, int64_t head_dim) {
+  return decode_uses_tensor_cores(variant, dtype, head_dim)
+             ? kDecodeVariants[variant].partition_size / 4
+             : 0;
+}
 
 // Number of partitions of `partition_size` tokens the grid must cover for a block table of
 // `max_blocks_per_seq` columns.

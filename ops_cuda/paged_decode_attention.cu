@@ -17,8 +17,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const int seq_len = params.seq_lens[seq];
-  if (seq_len <= params.partition_size) return;
-  const int partitions = (seq_len + params.partition_size - 1) / params.partition_size;
+  const int partitions = decode_partitions(seq_len, params);
+  if (partitions == 1) return;
   const int64_t row = static_cast<int64_t>(seq) * params.num_heads + head;
   const float* maxima = params.partial_max + row * params.max_partitions;
   const float* sums = params.partial_sum + row * params.max_partitions;

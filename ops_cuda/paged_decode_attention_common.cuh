@@ -1,6 +1,6 @@
-// What the two paged decode attention kernels share: the smallest block size a partition's
-// block table is sized for, the log2 domain of their logits, and the address of a token's
-// K/V row.
+// What the two paged decode attention kernels and their merge share: the smallest block size a
+// partition's block table is sized for, the log2 domain of their logits, the number of
+// partitions of a sequence, and the address of a token's K/V row.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,16 @@ namespace {
 
 constexpr int kMinBlockSize = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+
+// Partitions of a sequence of `seq_len` tokens (at least one): partition_size tokens each, the
+// last one up to partition_slack more.
+__device__ __forceinline__ int decode_partitions(int seq_len,
+                                                 const PagedDecodeAttentionParams& params) {
+  const int folded = seq_len - params.partition_slack;
+  return folded <= params.partition_size
+             ? 1
+             : (folded + params.partition_size - 1) / params.partition_size;
+}
 
 // Where one partition's K/V rows of one KV head live.
 struct RowAddressing {

@@ -12,7 +12,9 @@
 // the barrier) are spread over W items: that is what short contexts need. A block issues the
 // loads of its table entries and query rows together with the sequence's length, so the start
 // waits for one load, not three in turn. The launcher picks warps_per_item from how many items
-// a partition has (choose_warps_per_item), so that small batches still fill the GPU.
+// a partition has (choose_warps_per_item), so that small batches still fill the GPU. A
+// sequence's last partition also attends its tail of up to partition_slack tokens (a second
+// round of table entries), so a sequence just past a partition boundary is not split.
 //
 // Both products are warp-wide mma.sync m16n8k16 with float32 accumulators:
 //
@@ -472,7 +474,8 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
                                      (seq_row + item_first_head(item) + h) * HeadDim + 8 * v);
     }
   }
-  if (start >= seq_len) {
+  const int partitions = decode_partitions(seq_len, params);
+  if (start >= seq_len || partition >= partitions) {
     if (partition == 0) {
       for (int i = 0; i < items_here; ++i) {
         T* out = static_cast<T*>(params.out) + (seq_row + item_first_head(i)) * HeadDim;
@@ -481,8 +484,10 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
     }
     return;
   }
-  const int num_tokens = min(PartitionSize, seq_len - start);
-  const bool split = seq_len > PartitionSize;
+  // The last partition also takes the sequence's tail past it (up to partition_slack tokens):
+  // its entries are loaded in a second round.
+  const int num_tokens = partition == partitions - 1 ? seq_len - start : PartitionSize;
+  const bool split = partitions > 1;
 
   // The table entries as element offsets of their blocks, and the query rows, read back per
   // tile as Q's A fragment.
@@ -505,15 +510,34 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
   const int item = warp / WarpsPerItem;
   const int member = warp % WarpsPerItem;  // this warp's place among its item's warps
   const bool active = item < items_here;   // false for the spare warps of a block's last item
+  const int64_t head_offset =
+      static_cast<int64_t>((first_item + item) / head_chunks) * block_size * HeadDim;
+  const T* k_cache = static_cast<const T*>(params.k_cache) + head_offset;
+  const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
+  const float scale = params.scale * kLog2e;
+  WarpSoftmax<HeadDim> state;
   if (active) {
-    const int64_t head_offset =
-        static_cast<int64_t>((first_item + item) / head_chunks) * block_size * HeadDim;
-    const T* k_cache = static_cast<const T*>(params.k_cache) + head_offset;
-    const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
-    const float scale = params.scale * kLog2e;
-    WarpSoftmax<HeadDim> state;
     attend_tiles<T, HeadDim, WarpsPerItem>(state, query[item], k_cache, v_cache, row_of, member,
-                                           num_tokens, scale, lane);
+                                           min(PartitionSize, num_tokens), scale, lane);
+  }
+  // The tail of a sequence's last partition (the table entries past the first PartitionSize
+  // tokens; at most partition_slack tokens).
+  for (int chunk = PartitionSize; chunk < num_tokens; chunk += PartitionSize) {
+    __syncthreads();  // every warp is done with the previous entries
+    const int first_entry = (start + chunk) >> block_shift;
+    const int chunk_entries =
+        min(PartitionSize >> block_shift, params.max_blocks_per_seq - first_entry);
+    if (tid < chunk_entries) {
+      block_offsets[tid] = table_row[(chunk >> block_shift) + tid] * block_stride;
+    }
+    __syncthreads();
+    if (active) {
+      attend_tiles<T, HeadDim, WarpsPerItem>(state, query[item], k_cache, v_cache, row_of,
+                                             member, min(PartitionSize, num_tokens - chunk),
+                                             scale, lane);
+    }
+  }
+  if (active) {
     if constexpr (WarpsPerItem == 1) {
       write_warp_output<T, HeadDim>(state, item_heads(item), split, params,
                                     seq_row + item_first_head(item), partition, row, quad);
@@ -581,7 +605,8 @@ bool launch_mma_kernel(const PagedDecodeAttentionParams& params, int items_per_s
 }
 
 // Launches the tensor-core kernel with Config for the parameters' head_dim; false (nothing
-// launched) where it does not apply: a float32 cache or a head_dim other than 64 and 128.
+// launched) where it does not apply: a float32 cache or a head_dim other than 64 and 128 (the
+// cases decode_uses_tensor_cores in launchers.h rules out, which sets the partition slack).
 template <typename T, typename Config>
 bool launch_tensor_core_decode(const PagedDecodeAttentionParams& params, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {

@@ -112,10 +112,16 @@ def make_paged_cache(lengths, num_kv_heads, head_dim, block_size, dtype, generat
 
 
 def check_decode(cuda_ops, lengths, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 seed=0):
+                 seed=0, extra_columns=0):
+    """The kernel against the reference on a fresh cache; ``extra_columns`` widens the block
+    table with unused entries, as a CUDA graph's table is wider than its sequences."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     k_cache, v_cache, table, seq_lens = make_paged_cache(lengths, num_kv_heads, head_dim,
                                                          block_size, dtype, generator)
+    if extra_columns:
+        padding = torch.full((len(lengths), extra_columns), UNUSED_BLOCK_ID, dtype=torch.int32,
+                             device="cuda")
+        table = torch.cat((table, padding), dim=1)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=generator, device="cuda").to(dtype)
     scale = head_dim ** -0.5
     expected = torch.empty_like(q)
@@ -156,6 +162,18 @@ def test_decode_long_context_partitions(cuda_ops, decode_variant, dtype):
     each variant's partition size (256, 512, 1024) take the direct and the split path."""
     check_decode(cuda_ops, [20_000, 513, 1, 4096, 256, 257, 1024, 1025], 32, 8, 128, 16, dtype,
                  seed=7)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_decode_partition_tails(cuda_ops, decode_variant, block_size, head_dim, dtype):
+    """Lengths around the points where a sequence's last partition stops taking its tail itself
+    (a quarter partition past a whole number of partitions in the tensor-core kernel: 1280, 2304
+    tokens with 1024-token partitions) and one more partition begins, in a table wider than the
+    longest sequence."""
+    lengths = [1025, 1100, 1279, 1280, 1281, 2304, 2305, 3333, 511, 513, 640, 641, 1]
+    check_decode(cuda_ops, lengths, 32, 8, head_dim, block_size, dtype, seed=block_size + head_dim,
+                 extra_columns=4096 // block_size)
 
 
 def test_decode_wide_block_table(cuda_ops, decode_variant):
