@@ -13,8 +13,8 @@
 // loads of its table entries and query rows together with the sequence's length, so the start
 // waits for one load, not three in turn. The launcher picks warps_per_item from how many items
 // a partition has (choose_warps_per_item), so that small batches still fill the GPU. A
-// sequence's last partition also attends its tail of up to partition_slack tokens (a second
-// round of table entries), so a sequence just past a partition boundary is not split.
+// sequence's last partition also attends its tail of up to partition_slack (a quarter
+// partition) tokens, so a sequence just past a partition boundary is not split.
 //
 // Both products are warp-wide mma.sync m16n8k16 with float32 accumulators:
 //
@@ -416,7 +416,10 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
   static_assert(PartitionSize % kMmaTileTokens == 0, "a partition holds whole tiles");
   static_assert(Warps % WarpsPerItem == 0, "a block holds whole items");
 
-  __shared__ int64_t block_offsets[PartitionSize / kMinBlockSize];
+  // A sequence's last partition may hold up to a quarter partition more (partition_slack).
+  constexpr int kMaxPartitionTokens = PartitionSize + PartitionSize / 4;
+  constexpr int kMaxEntries = kMaxPartitionTokens / kMinBlockSize;
+  __shared__ int64_t block_offsets[kMaxEntries];
   // Query rows per item; one vector of padding per row, so the row groups of a warp read
   // different banks.
   __shared__ uint4 query[kItemsPerBlock][kMmaHeads][kRowVectors + 1];
@@ -452,15 +455,20 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
                          (start >> block_shift);
   const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
   // Issued before seq_len is needed, so their latencies overlap: every block-table entry the
-  // partition can use that the table holds, one a thread (those past seq_len go unread), and
-  // the items' query rows (zero past the heads an item serves), a few vectors a thread.
-  static_assert(PartitionSize / kMinBlockSize <= kThreads, "one table entry a thread");
+  // partition can use that the table holds (those past seq_len, or past the partition when it
+  // is not the sequence's last, go unread), and the items' query rows (zero past the heads an
+  // item serves), a few of each a thread.
+  constexpr int kEntriesPerThread = (kMaxEntries + kThreads - 1) / kThreads;
   constexpr int kQueryVectors = kItemsPerBlock * kMmaHeads * kRowVectors;
   constexpr int kQueryVectorsPerThread = (kQueryVectors + kThreads - 1) / kThreads;
   const int seq_len = params.seq_lens[seq];
   const int entries =
-      min(PartitionSize >> block_shift, params.max_blocks_per_seq - (start >> block_shift));
-  const int entry = tid < entries ? table_row[tid] : 0;
+      min(kMaxPartitionTokens >> block_shift, params.max_blocks_per_seq - (start >> block_shift));
+  int entry[kEntriesPerThread];
+#pragma unroll
+  for (int k = 0; k < kEntriesPerThread; ++k) {
+    entry[k] = tid + k * kThreads < entries ? table_row[tid + k * kThreads] : 0;
+  }
   uint4 query_vectors[kQueryVectorsPerThread];
 #pragma unroll
   for (int k = 0; k < kQueryVectorsPerThread; ++k) {
@@ -484,14 +492,16 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
     }
     return;
   }
-  // The last partition also takes the sequence's tail past it (up to partition_slack tokens):
-  // its entries are loaded in a second round.
+  // The last partition also takes the sequence's tail past it (up to partition_slack tokens).
   const int num_tokens = partition == partitions - 1 ? seq_len - start : PartitionSize;
   const bool split = partitions > 1;
 
   // The table entries as element offsets of their blocks, and the query rows, read back per
   // tile as Q's A fragment.
-  if (tid < entries) block_offsets[tid] = entry * block_stride;
+#pragma unroll
+  for (int k = 0; k < kEntriesPerThread; ++k) {
+    if (tid + k * kThreads < entries) block_offsets[tid + k * kThreads] = entry[k] * block_stride;
+  }
 #pragma unroll
   for (int k = 0; k < kQueryVectorsPerThread; ++k) {
     const int i = tid + k * kThreads;
@@ -510,34 +520,15 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
   const int item = warp / WarpsPerItem;
   const int member = warp % WarpsPerItem;  // this warp's place among its item's warps
   const bool active = item < items_here;   // false for the spare warps of a block's last item
-  const int64_t head_offset =
-      static_cast<int64_t>((first_item + item) / head_chunks) * block_size * HeadDim;
-  const T* k_cache = static_cast<const T*>(params.k_cache) + head_offset;
-  const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
-  const float scale = params.scale * kLog2e;
-  WarpSoftmax<HeadDim> state;
   if (active) {
+    const int64_t head_offset =
+        static_cast<int64_t>((first_item + item) / head_chunks) * block_size * HeadDim;
+    const T* k_cache = static_cast<const T*>(params.k_cache) + head_offset;
+    const T* v_cache = static_cast<const T*>(params.v_cache) + head_offset;
+    const float scale = params.scale * kLog2e;
+    WarpSoftmax<HeadDim> state;
     attend_tiles<T, HeadDim, WarpsPerItem>(state, query[item], k_cache, v_cache, row_of, member,
-                                           min(PartitionSize, num_tokens), scale, lane);
-  }
-  // The tail of a sequence's last partition (the table entries past the first PartitionSize
-  // tokens; at most partition_slack tokens).
-  for (int chunk = PartitionSize; chunk < num_tokens; chunk += PartitionSize) {
-    __syncthreads();  // every warp is done with the previous entries
-    const int first_entry = (start + chunk) >> block_shift;
-    const int chunk_entries =
-        min(PartitionSize >> block_shift, params.max_blocks_per_seq - first_entry);
-    if (tid < chunk_entries) {
-      block_offsets[tid] = table_row[(chunk >> block_shift) + tid] * block_stride;
-    }
-    __syncthreads();
-    if (active) {
-      attend_tiles<T, HeadDim, WarpsPerItem>(state, query[item], k_cache, v_cache, row_of,
-                                             member, min(PartitionSize, num_tokens - chunk),
-                                             scale, lane);
-    }
-  }
-  if (active) {
+                                           num_tokens, scale, lane);
     if constexpr (WarpsPerItem == 1) {
       write_warp_output<T, HeadDim>(state, item_heads(item), split, params,
                                     seq_row + item_first_head(item), partition, row, quad);
