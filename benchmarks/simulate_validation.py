@@ -128,19 +128,19 @@ H200_WHOLE_RUNS = [
      469.5, (663.0,), "2026-11-28 twenty-eighth session, start AF, 6040d42: the tensor-core decode kernel, "
      "which the shipped tables predate"),
     ("8B poor, prompts ~370, outputs ~45", SHORT, 400, 2779.3, (2737.8,),
-     "2026-11-28 thirty-first session, start N, 93cefb8"),
+     "2026-11-28 thirty-first session, start AT, 93cefb8"),
     ("8B poor 1000/200", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=200", **POOR), 100,
-     1713.0, (1847.2,), "2026-11-28 thirty-first session, start N, 93cefb8; one engine served 200, 400, 100, 50, 300"),
+     1713.0, (1847.2,), "2026-11-28 thirty-first session, start AT, 93cefb8; one engine served 200, 400, 100, 50, 300"),
     ("8B poor 1000/400", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=400", **POOR), 100,
-     1514.7, (1950.5,), "2026-11-28 thirty-first session, start N, 93cefb8"),
+     1514.7, (1950.5,), "2026-11-28 thirty-first session, start AT, 93cefb8"),
     ("8B poor 1000/100", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=100", **POOR), 100,
-     1272.8, (1547.4,), "2026-11-28 thirty-first session, start N, 93cefb8"),
+     1272.8, (1547.4,), "2026-11-28 thirty-first session, start AT, 93cefb8"),
     ("8B poor 1000/50", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=50", **POOR), 100,
-     1119.2, (1090.4,), "2026-11-28 thirty-first session, start N, 93cefb8"),
+     1119.2, (1090.4,), "2026-11-28 thirty-first session, start AT, 93cefb8"),
     ("8B poor 1000/300", dict(model="llama-3.1-8b", workload="synthetic:input=1000,output=300", **POOR), 100,
-     1718.5, (1854.8,), "2026-11-28 thirty-first session, start N, 93cefb8"),
+     1718.5, (1854.8,), "2026-11-28 thirty-first session, start AT, 93cefb8"),
     ("32B poor 500/500", dict(model="qwen2.5-32b", workload="synthetic:input=500,output=500", **POOR), 100,
-     468.0, (653.5,), "2026-11-28 thirty-first session, start N, 93cefb8"),
+     468.0, (653.5,), "2026-11-28 thirty-first session, start AT, 93cefb8"),
 ]
 
 
