@@ -23,7 +23,8 @@ is planned. Run both in one session to compare them on the same device:
 ``torch.profiler`` (CUPTI sees the kernels a graph launches) and each kernel's time is summed by
 kind (``kernel_breakdown``): the GEMMs against their weight bytes over the copy bandwidth, the
 decode attention against the KV bytes over it, every other kernel by name, and the time the GPU
-ran no kernel between the forward's first and last (launch gaps inside the graph).
+ran no kernel between the forward's first and last (launch gaps inside the graph); then each
+projection's GEMMs over all layers alone at the batch's rows (``gemm_by_projection``).
 """
 
 import argparse
@@ -237,14 +238,15 @@ def print_breakdown(row: dict, bandwidth: float) -> None:
               + (f"{floor * 1e6:9.1f} {kind['seconds'] / floor:8.2f}" if floor else ""))
     print(f"  {'no kernel running (gaps)':<62} {'':>6} {(span - breakdown['busy_seconds']) * 1e6:9.1f} "
           f"{1 - breakdown['busy_seconds'] / span:6.3f}")
-    print(f"  GEMMs alone (eager, {row['batch']} rows): "
+    print(f"  GEMMs alone (graph-replayed, {row['batch']} rows): "
           + ", ".join(f"{name} {gemm['seconds'] * 1e6:.0f} us = {gemm['bytes'] / gemm['seconds'] / bandwidth:.0%} of copy"
                       for name, gemm in row["gemms_alone"].items()))
 
 
 def measure(engine: LLMEngine, batch: int, context: int, iterations: int, kernels: bool) -> dict:
     """Times ``iterations`` decode iterations of ``batch`` requests at ~``context`` tokens and
-    their forward's GPU time; with ``kernels`` also its ``kernel_breakdown``."""
+    their forward's GPU time; with ``kernels`` also its ``kernel_breakdown`` and the GEMMs alone
+    (``gemm_by_projection``)."""
     # Requests prefilled early decode while later ones prefill: leave room for those tokens too
     # (the engine's max_model_len is twice the context), so that none finishes while timed.
     params = SamplingParams(max_tokens=context, temperature=0, ignore_eos=True)

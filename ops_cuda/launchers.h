@@ -96,7 +96,8 @@ struct PagedDecodeAttentionParams {
   int block_table_stride;     // elements between rows of block_table
   int max_blocks_per_seq;     // columns of block_table
   int partition_size;         // the chosen variant's partition_size
-  int partition_slack;        // decode_partition_slack of the launch
+  int partition_slack;        // decode_partition_slack of the launch (at most a quarter
+                              // partition: the tensor-core kernel's table is sized for that)
   int max_partitions;         // ceil(max_blocks_per_seq * block_size / partition_size)
   float scale;                // softmax scale applied to q . k
 };
