@@ -340,10 +340,7 @@ class PipelineExecutor:
         if self.hand_off is None:
             raise RuntimeError("this engine has no host side (policy gpu-only), but the plan has host decodes")
         rows = slice(meta.num_gpu_tokens, meta.num_tokens)
-        # The layer's key and value may be views of its fused projection: the hand-off copies
-        # whole rows.
-        host_rows = HostRows(state.query[rows], state.key[rows].contiguous(), state.value[rows].contiguous(),
-                             state.attention_output[rows])
+        host_rows = HostRows(state.query[rows], state.key[rows], state.value[rows], state.attention_output[rows])
         k_cache, v_cache = self.kv_cache.host_layers[layer_index]
         state.pending = self.hand_off.start(sub_batch, layer_index, host_rows, meta, k_cache, v_cache)
 

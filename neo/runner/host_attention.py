@@ -99,7 +99,9 @@ class HostRowBuffers:
 
 @dataclass
 class HostRows:
-    """One layer's rows of a sub-batch's host decodes, contiguous on the compute device."""
+    """One layer's rows of a sub-batch's host decodes on the compute device. query and output are
+    contiguous; key and value may be views of the layer's fused QKV projection (each head's
+    features contiguous, a wider token stride)."""
 
     query: torch.Tensor  # [num_host_decodes, H, D]
     key: torch.Tensor  # [num_host_decodes, KVH, D]
@@ -133,7 +135,9 @@ class StreamOrderedHandOff:
 
     def start(self, sub_batch: int, layer: int, rows: HostRows, meta: AttentionMetadata, k_cache, v_cache):
         stage = self.stages[sub_batch]
-        stage.start(layer, rows.query, rows.key, rows.value, rows.output, k_cache, v_cache)
+        # The stage copies whole rows to its pinned buffers with one copy each.
+        stage.start(layer, rows.query, rows.key.contiguous(), rows.value.contiguous(), rows.output, k_cache,
+                    v_cache)
         return stage
 
     @staticmethod
