@@ -41,6 +41,7 @@ import torch
 from neo import EngineConfig, LLMEngine, SamplingParams
 from neo.bench import device_name
 from neo.models.causal_lm import count_parameters
+from cuda_kernels import time_per_call
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 20) -> float:
@@ -191,8 +192,8 @@ PROJECTIONS = ("QKV", "O", "gate/up", "down")  # the order of DecoderLayer.gemm_
 
 def gemm_by_projection(engine: LLMEngine, batch: int, repeats: int = 10) -> dict:
     """Each projection's GEMMs over all layers, and the logits GEMM, run alone at ``batch`` rows
-    (``F.linear`` on random activations, captured in a CUDA graph so that launching does not
-    bound them, replays timed with events):
+    (``F.linear`` on random activations, replayed from a CUDA graph so that launching does not
+    bound them: ``cuda_kernels.time_per_call``):
     ``{projection: {"seconds": per iteration, "bytes": weight bytes}}``."""
     model = engine.model
     weights = {name: [] for name in PROJECTIONS}
@@ -203,23 +204,9 @@ def gemm_by_projection(engine: LLMEngine, batch: int, repeats: int = 10) -> dict
     results = {}
     for name, pairs in weights.items():
         inputs = torch.randn(batch, pairs[0][0].shape[1], dtype=engine.dtype, device=engine.device)
-        stream = torch.cuda.Stream(engine.device)
-        with torch.cuda.stream(stream):  # warm-up off the capture, as torch.cuda.graph asks
-            for weight, bias in pairs:
-                torch.nn.functional.linear(inputs, weight, bias)
-        torch.cuda.synchronize(engine.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for weight, bias in pairs:
-                torch.nn.functional.linear(inputs, weight, bias)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize(engine.device)
-        results[name] = {"seconds": start.elapsed_time(end) / 1e3 / repeats,
+        calls = [lambda weight=weight, bias=bias: torch.nn.functional.linear(inputs, weight, bias)
+                 for weight, bias in pairs]
+        results[name] = {"seconds": time_per_call(calls, repeats, graph_replay=True) * len(calls),
                          "bytes": sum(weight.numel() * weight.element_size() for weight, _ in pairs)}
     return results
 
