@@ -5,10 +5,13 @@ Measures, in one run:
 - the device-to-device copy bandwidth (a large tensor copy; bytes read + written per second),
   the ceiling of the memory-bound kernels;
 - ``neo.paged_decode_attention`` (bf16, 32 query / 8 KV heads, head_dim 128, block 16, shuffled
-  block tables) over (num_seqs, context) points: time, KV bytes read per second, the share of
-  the copy bandwidth, and torch ``scaled_dot_product_attention`` on the same shapes with
-  contiguous KV (``enable_gqa=True``, and with the KV heads materialized per query head; the
-  faster of the two is the baseline), with the ratio;
+  block tables) over decode points: time, KV bytes read per second, the share of the copy
+  bandwidth, and torch ``scaled_dot_product_attention`` on the same shapes with contiguous KV
+  (``enable_gqa=True``, and with the KV heads materialized per query head; the faster of the two
+  is the baseline), with the ratio. A point is a batch of sequences of one context, or of
+  several (a mixed batch, whose baseline is the sum of SDPA's times on each group of equal
+  lengths), optionally in a block table wider than its longest sequence, as a CUDA graph's
+  table spans the longest context it was captured for;
 - the other kernels at a Llama-3-8B-like size against their pure-torch references.
 
 Each timing is the median over repeats of a CUDA-event-timed loop that cycles through several
@@ -22,16 +25,17 @@ variant, each variant's largest deviation from the pure-torch reference on the f
 (a variant outside the bf16 tolerance is marked and never counted as best), and the best variant
 per point. Last come the two figures the launcher's heuristic is set from
 (``kShortContextVariant`` and ``kLongContextVariant`` in ``ops_cuda/launchers.h``): per class
-of points (context up to the build's ``decode_short_context_tokens``, and longer), the variant
+of points (table width up to the build's ``decode_short_context_tokens``, and wider), the variant
 with the lowest geometric mean of its time over the best SDPA, among those correct at every
 point of the class.
 
-``--points 96x512,160x256`` measures other decode points, ``--variants A,B`` sweeps only those
+``--points 96x512,160x256`` measures other decode points (``63x1024+1x4096``: a mixed batch;
+``64x1088@2112``: a table 2112 tokens wide), ``--variants A,B`` sweeps only those
 variants, and ``--graph-replay`` times the decode calls (neo's and SDPA's) replayed from one CUDA
 graph per input cycle instead of launched from Python.
 
 Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick] [--sweep]
-       [--points SxC,...] [--variants NAME,...] [--graph-replay]
+       [--points SxC[+SxC...][@TABLE],...] [--variants NAME,...] [--graph-replay]
 """
 
 import argparse
@@ -41,15 +45,13 @@ import math
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from neo.ops import implementations, reference
 
-DECODE_POINTS = [(256, 128), (256, 256), (256, 512), (64, 4096), (256, 1024), (16, 16384),
-                 (128, 2048)]
-QUICK_DECODE_POINTS = [(256, 128), (64, 4096)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # Input sets rotate until they span this many times the L2 cache.
 L2_SPAN = 3
@@ -57,6 +59,47 @@ L2_SPAN = 3
 SWEEP_TOLERANCE = 1.6e-2
 # Llama-3-8B-like sizes for the other kernels.
 TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """A decode batch: ``groups`` of (sequences, context) and the block table's width in tokens
+    (``table_tokens``; 0: as wide as the longest context)."""
+    groups: tuple[tuple[int, int], ...]
+    table_tokens: int = 0
+
+    @classmethod
+    def uniform(cls, num_seqs: int, context: int) -> "DecodePoint":
+        return cls(((num_seqs, context),))
+
+    @property
+    def lengths(self) -> list[int]:
+        return [context for count, context in self.groups for _ in range(count)]
+
+    @property
+    def num_seqs(self) -> int:
+        return sum(count for count, _ in self.groups)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(count * context for count, context in self.groups)
+
+    @property
+    def table_width(self) -> int:
+        """The block table's width in tokens, whole blocks."""
+        tokens = max(self.table_tokens, max(context for _, context in self.groups))
+        return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+
+    @property
+    def label(self) -> str:
+        text = "+".join(f"{count}x{context}" for count, context in self.groups)
+        return f"{text}@{self.table_tokens}" if self.table_tokens else text
+
+
+DECODE_POINTS = [DecodePoint.uniform(*point) for point in
+                 ((256, 128), (256, 256), (256, 512), (64, 4096), (256, 1024), (16, 16384),
+                  (128, 2048))]
+QUICK_DECODE_POINTS = [DecodePoint.uniform(256, 128), DecodePoint.uniform(64, 4096)]
 
 
 def time_per_call(calls, repeats: int, min_seconds: float = 0.01,
@@ -90,16 +133,29 @@ def time_per_call(calls, repeats: int, min_seconds: float = 0.01,
     return statistics.median(timed_loop(count) for _ in range(repeats))
 
 
-def parse_points(text: str) -> list[tuple[int, int]]:
-    """``"256x128,64x4096"`` -> [(256, 128), (64, 4096)]: decode points as sequences x context."""
+def parse_points(text: str) -> list[DecodePoint]:
+    """``"256x128,63x1024+1x4096@8192"`` -> decode points: groups of SEQUENCESxCONTEXT joined by
+    ``+``, then optionally ``@TABLE``, the block table's width in tokens."""
     points = []
     for item in text.split(","):
-        seqs, _, context = item.strip().partition("x")
-        if not (seqs.isdigit() and context.isdigit() and int(seqs) > 0 and int(context) > 0):
-            raise argparse.ArgumentTypeError(
-                f"{item.strip()!r} is not a decode point SEQUENCESxCONTEXT with both > 0 "
-                f"(e.g. 256x128)")
-        points.append((int(seqs), int(context)))
+        item = item.strip()
+        batch, at, table = item.partition("@")
+        groups = []
+        for group in batch.split("+"):
+            seqs, _, context = group.partition("x")
+            if not (seqs.isdigit() and context.isdigit() and int(seqs) > 0 and int(context) > 0):
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} is not a decode point: {group!r} is not SEQUENCESxCONTEXT with "
+                    f"both > 0 (e.g. 256x128, 63x1024+1x4096, 64x1088@2112)")
+            groups.append((int(seqs), int(context)))
+        point = DecodePoint(tuple(groups))
+        if at:
+            if not (table.isdigit() and int(table) >= max(c for _, c in groups)):
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} is not a decode point: the table width after '@' must be a "
+                    f"number of tokens at least the longest context ({max(c for _, c in groups)})")
+            point = DecodePoint(tuple(groups), int(table))
+        points.append(point)
     return points
 
 
@@ -116,23 +172,31 @@ def input_sets(bytes_per_set: int) -> int:
     return max(1, math.ceil(L2_SPAN * l2_bytes / bytes_per_set))
 
 
-def decode_inputs(num_seqs: int, context: int, generator: torch.Generator):
+def decode_inputs(point: DecodePoint, generator: torch.Generator):
     """Input sets for ``neo.paged_decode_attention`` at one point, enough of them to span
-    L2_SPAN times the L2 cache. Returns (list of argument tuples, KV bytes read per call)."""
+    L2_SPAN times the L2 cache: each sequence's blocks drawn at random from its set's cache, its
+    table entries past them naming block 0 (never read). Returns (list of argument tuples, KV
+    bytes read per call)."""
     dtype = torch.bfloat16
-    blocks_per_seq = context // BLOCK_SIZE
-    num_blocks = num_seqs * blocks_per_seq
-    kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    lengths = point.lengths
+    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in lengths]
+    num_blocks = sum(blocks_per_seq)
+    kv_bytes = 2 * point.kv_tokens * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     scale = HEAD_DIM ** -0.5
     cache_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    rows = torch.arange(len(lengths), device="cuda").repeat_interleave(
+        torch.tensor(blocks_per_seq, device="cuda"))
+    columns = torch.cat([torch.arange(count, device="cuda") for count in blocks_per_seq])
     sets = []
     for _ in range(input_sets(kv_bytes)):
         k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
         v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
-        table = torch.randperm(num_blocks, generator=generator, device="cuda").int()
-        table = table.view(num_seqs, blocks_per_seq)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
+        table = torch.zeros(len(lengths), point.table_width // BLOCK_SIZE, dtype=torch.int32,
+                            device="cuda")
+        table[rows, columns] = torch.randperm(num_blocks, generator=generator,
+                                              device="cuda").int()
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lengths), NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
                         dtype=dtype)
         sets.append((torch.empty_like(q), q, k_cache, v_cache, table, seq_lens, scale))
     return sets, kv_bytes
@@ -174,33 +238,47 @@ def best_sdpa_seconds(num_seqs: int, context: int, repeats: int, generator: torc
     return seconds
 
 
-def decode_point(num_seqs: int, context: int, repeats: int, copy_bytes_per_second: float,
+def point_sdpa_seconds(point: DecodePoint, repeats: int, generator: torch.Generator,
+                       graph_replay: bool) -> dict:
+    """SDPA's seconds for a point, summed over its groups of equal lengths (one call each):
+    {"enable_gqa": s, "expanded_kv": s, "best": the sum of each group's faster one}."""
+    seconds = {"enable_gqa": 0.0, "expanded_kv": 0.0, "best": 0.0}
+    for num_seqs, context in point.groups:
+        group = best_sdpa_seconds(num_seqs, context, repeats, generator, graph_replay)
+        for variant, value in group.items():
+            seconds[variant] += value
+        seconds["best"] += min(group.values())
+    return seconds
+
+
+def decode_point(point: DecodePoint, repeats: int, copy_bytes_per_second: float,
                  generator: torch.Generator, graph_replay: bool) -> dict:
-    sets, kv_bytes = decode_inputs(num_seqs, context, generator)
+    sets, kv_bytes = decode_inputs(point, generator)
     seconds = neo_seconds(sets, repeats, graph_replay)
     del sets
     torch.cuda.empty_cache()
-    sdpa = best_sdpa_seconds(num_seqs, context, repeats, generator, graph_replay)
+    sdpa = point_sdpa_seconds(point, repeats, generator, graph_replay)
     return {
-        "num_seqs": num_seqs,
-        "context": context,
-        "kv_tokens": num_seqs * context,
+        "point": point.label,
+        "num_seqs": point.num_seqs,
+        "table_tokens": point.table_width,
+        "kv_tokens": point.kv_tokens,
         "input_sets": input_sets(kv_bytes),
         "neo_ms": seconds * 1e3,
         "kv_gb_per_s": kv_bytes / seconds / 1e9,
         "percent_of_copy_bandwidth": 100 * kv_bytes / seconds / copy_bytes_per_second,
         "sdpa_enable_gqa_ms": sdpa["enable_gqa"] * 1e3,
         "sdpa_expanded_kv_ms": sdpa["expanded_kv"] * 1e3,
-        "neo_over_best_sdpa": seconds / min(sdpa.values()),
+        "neo_over_best_sdpa": seconds / sdpa["best"],
     }
 
 
-def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: int,
+def sweep_point(point: DecodePoint, variants, variable: str, repeats: int,
                 copy_bytes_per_second: float, generator: torch.Generator,
                 graph_replay: bool) -> dict:
     """Every decode variant at one point, each checked against the reference on the first
     input set. The variable is restored to its previous state on return."""
-    sets, kv_bytes = decode_inputs(num_seqs, context, generator)
+    sets, kv_bytes = decode_inputs(point, generator)
     expected = torch.empty_like(sets[0][1])
     reference.paged_decode_attention(expected, *sets[0][1:])
     previous = os.environ.get(variable)
@@ -231,24 +309,25 @@ def sweep_point(num_seqs: int, context: int, variants, variable: str, repeats: i
             os.environ[variable] = previous
     del sets, expected
     torch.cuda.empty_cache()
-    sdpa = min(best_sdpa_seconds(num_seqs, context, repeats, generator, graph_replay).values())
+    sdpa = point_sdpa_seconds(point, repeats, generator, graph_replay)["best"]
     for row in results.values():
         row["neo_over_best_sdpa"] = row["neo_ms"] / 1e3 / sdpa
     correct = {name: row for name, row in results.items() if row["correct"]}
     best = min(correct, key=lambda name: correct[name]["neo_ms"]) if correct else None
-    return {"num_seqs": num_seqs, "context": context, "kv_tokens": num_seqs * context,
-            "best_sdpa_ms": sdpa * 1e3, "variants": results, "best": best,
-            "baseline_drift_percent": drift_percent}
+    return {"point": point.label, "num_seqs": point.num_seqs, "table_tokens": point.table_width,
+            "kv_tokens": point.kv_tokens, "best_sdpa_ms": sdpa * 1e3, "variants": results,
+            "best": best, "baseline_drift_percent": drift_percent}
 
 
 def best_per_class(report: dict) -> dict:
     """{"short" | "long": {"variant": name, "geomean_over_sdpa": x}} over the sweep's points,
-    split where the launcher splits them (``report["short_context_tokens"]``)."""
+    split where the launcher splits them: by the block table's width
+    (``report["short_context_tokens"]``)."""
     classes = {}
     short = report["short_context_tokens"]
-    for label, is_member in (("short", lambda context: context <= short),
-                             ("long", lambda context: context > short)):
-        points = [point for point in report["sweep"] if is_member(point["context"])]
+    for label, is_member in (("short", lambda width: width <= short),
+                             ("long", lambda width: width > short)):
+        points = [point for point in report["sweep"] if is_member(point["table_tokens"])]
         if not points:
             continue
         means = {}
@@ -278,9 +357,8 @@ def print_sweep(report: dict) -> None:
     points = report["sweep"]
     variants = report["variants"]
     width = max(len(name) for name in variants) + len(" drift")
-    cell = 15  # characters per point column
-    print(f"{'':<{width}}" + "".join(f"{point['num_seqs']} x {point['context']}".rjust(cell)
-                                     for point in points))
+    cell = max(15, 2 + max(len(point["point"]) for point in points))  # per point column
+    print(f"{'':<{width}}" + "".join(point["point"].rjust(cell) for point in points))
     for name in variants:
         cells = []
         for point in points:
@@ -297,12 +375,13 @@ def print_sweep(report: dict) -> None:
     for point in points:
         best = point["variants"].get(point["best"])
         if best:
-            print(f"  {point['num_seqs']:>4} x {point['context']:<6} {point['best']:<{width}} "
+            print(f"  {point['point']:<14} {point['best']:<{width}} "
                   f"{best['percent_of_copy_bandwidth']:5.1f}% of copy, "
                   f"{best['neo_over_best_sdpa']:.3f}x best SDPA")
         else:
-            print(f"  {point['num_seqs']:>4} x {point['context']:<6} no variant within tolerance")
-    print(f"heuristic (ops_cuda/launchers.h; short: context <= {report['short_context_tokens']} tokens):")
+            print(f"  {point['point']:<14} no variant within tolerance")
+    print(f"heuristic (ops_cuda/launchers.h; short: a table of at most "
+          f"{report['short_context_tokens']} tokens):")
     for label, best in report["best_per_class"].items():
         index = variants.index(best["variant"])
         print(f"  {label:<5} {best['variant']} (index {index}): geometric mean "
@@ -399,11 +478,12 @@ def print_tables(report: dict) -> None:
     print(f"\n{report['device']} | torch {report['torch']} | device-to-device copy "
           f"{report['copy_gb_per_s']:.0f} GB/s (read + write) | {timing_label(report)}")
     print("\npaged_decode_attention, bf16, 32/8 heads, head_dim 128, block 16")
-    header = (f"{'seqs':>5} {'context':>8} {'neo ms':>9} {'KV GB/s':>8} {'% copy':>7} "
+    label_width = max([len("seqs x context")] + [len(row["point"]) for row in report["decode"]])
+    header = (f"{'seqs x context':>{label_width}} {'neo ms':>9} {'KV GB/s':>8} {'% copy':>7} "
               f"{'sdpa gqa ms':>12} {'sdpa exp ms':>12} {'neo/sdpa':>9}")
     print(header)
     for row in report["decode"]:
-        print(f"{row['num_seqs']:>5} {row['context']:>8} {row['neo_ms']:>9.3f} "
+        print(f"{row['point']:>{label_width}} {row['neo_ms']:>9.3f} "
               f"{row['kv_gb_per_s']:>8.0f} {row['percent_of_copy_bandwidth']:>6.1f}% "
               f"{row['sdpa_enable_gqa_ms']:>12.3f} {row['sdpa_expanded_kv_ms']:>12.3f} "
               f"{row['neo_over_best_sdpa']:>9.2f}")
@@ -429,21 +509,21 @@ def run_sweep(report: dict, points, variants, repeats: int, copy: float,
     report["variants"] = variants
     report["short_context_tokens"] = module.decode_short_context_tokens
     report["sweep"] = []
-    for num_seqs, context in points:
-        point = sweep_point(num_seqs, context, variants, module.decode_variant_variable, repeats,
-                            copy, generator, graph_replay)
-        report["sweep"].append(point)
-        best = point["variants"].get(point["best"])
-        summary = (f"best {point['best']}: {best['percent_of_copy_bandwidth']:.1f}% of copy "
+    for point in points:
+        row = sweep_point(point, variants, module.decode_variant_variable, repeats, copy,
+                          generator, graph_replay)
+        report["sweep"].append(row)
+        best = row["variants"].get(row["best"])
+        summary = (f"best {row['best']}: {best['percent_of_copy_bandwidth']:.1f}% of copy "
                    f"bandwidth, {best['neo_over_best_sdpa']:.2f}x best SDPA" if best
                    else "no variant within tolerance")
-        print(f"sweep {num_seqs} x {context}: {summary}", flush=True)
+        print(f"sweep {point.label}: {summary}", flush=True)
     report["best_per_class"] = best_per_class(report)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
     print_sweep(report)
-    wrong = [(point["num_seqs"], point["context"], name) for point in report["sweep"]
+    wrong = [(point["point"], name) for point in report["sweep"]
              for name, row in point["variants"].items() if not row["correct"]]
     if wrong:
         print(f"cuda_kernels: variants outside tolerance: {wrong}", file=sys.stderr)
@@ -456,12 +536,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per point")
     parser.add_argument("--quick", action="store_true",
-                        help=f"only the decode points {QUICK_DECODE_POINTS}, 5 repeats")
+                        help="only the decode points "
+                             f"{','.join(point.label for point in QUICK_DECODE_POINTS)}, 5 repeats")
     parser.add_argument("--sweep", action="store_true",
                         help="every decode kernel variant at every decode point (and no other "
                              "kernels)")
-    parser.add_argument("--points", type=parse_points, metavar="SxC,...",
-                        help=f"decode points (sequences x context) instead of {DECODE_POINTS}")
+    parser.add_argument("--points", type=parse_points, metavar="SxC[+SxC...][@TABLE],...",
+                        help="decode points (sequences x context; groups joined by + make a "
+                             "mixed batch; @TABLE: the block table's width in tokens) instead "
+                             f"of {','.join(point.label for point in DECODE_POINTS)}")
     parser.add_argument("--variants", type=lambda text: text.split(","), metavar="NAME,...",
                         help="with --sweep: these compiled decode variants only")
     parser.add_argument("--graph-replay", action="store_true",
@@ -498,10 +581,10 @@ def main(argv=None) -> int:
     if arguments.sweep:
         return run_sweep(report, points, arguments.variants, repeats, copy, generator,
                          arguments.graph_replay, arguments.json)
-    for num_seqs, context in points:
-        row = decode_point(num_seqs, context, repeats, copy, generator, arguments.graph_replay)
+    for point in points:
+        row = decode_point(point, repeats, copy, generator, arguments.graph_replay)
         report["decode"].append(row)
-        print(f"decode {num_seqs} x {context}: {row['neo_ms']:.3f} ms, "
+        print(f"decode {point.label}: {row['neo_ms']:.3f} ms, "
               f"{row['percent_of_copy_bandwidth']:.1f}% of copy bandwidth, "
               f"{row['neo_over_best_sdpa']:.2f}x best SDPA", flush=True)
         torch.cuda.empty_cache()

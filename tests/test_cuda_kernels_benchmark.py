@@ -2,6 +2,7 @@
 takes, and the errors that name what is wrong."""
 
 import argparse
+import re
 
 import pytest
 
@@ -11,13 +12,34 @@ cuda_kernels = benchmark_module("cuda_kernels")
 
 
 def test_points_parse_as_sequences_by_context():
-    assert cuda_kernels.parse_points("256x128, 64x4096") == [(256, 128), (64, 4096)]
+    point = cuda_kernels.DecodePoint
+    assert cuda_kernels.parse_points("256x128, 64x4096") == [point(((256, 128),)),
+                                                             point(((64, 4096),))]
 
 
-@pytest.mark.parametrize("text", ["256", "0x128", "256x0", "ax1", "12x", "256x128,"])
+def test_a_mixed_point_in_a_wider_table():
+    (mixed, wide) = cuda_kernels.parse_points("63x1024+1x4096,64x1088@2112")
+    assert mixed.groups == ((63, 1024), (1, 4096)) and mixed.table_tokens == 0
+    assert mixed.lengths == [1024] * 63 + [4096]
+    assert (mixed.num_seqs, mixed.kv_tokens, mixed.table_width) == (64, 63 * 1024 + 4096, 4096)
+    assert mixed.label == "63x1024+1x4096"
+    assert (wide.num_seqs, wide.table_width, wide.label) == (64, 2112, "64x1088@2112")
+    # A width that is not whole blocks is rounded up to them.
+    assert cuda_kernels.parse_points("2x100@1000")[0].table_width == 1008
+
+
+@pytest.mark.parametrize("text", ["256", "0x128", "256x0", "ax1", "12x", "256x128,",
+                                  "1x64+", "1x64++2x32", "+1x64"])
 def test_a_malformed_point_is_named(text):
     bad = text.split(",")[-1].strip()
-    with pytest.raises(argparse.ArgumentTypeError, match=f"'{bad}' is not a decode point"):
+    message = f"'{re.escape(bad)}' is not a decode point"
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        cuda_kernels.parse_points(text)
+
+
+@pytest.mark.parametrize("text", ["64x1088@", "64x1088@1000", "64x1088@a"])
+def test_a_table_narrower_than_the_longest_sequence_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="at least the longest context"):
         cuda_kernels.parse_points(text)
 
 
