@@ -148,14 +148,12 @@ def parse_points(text: str) -> list[DecodePoint]:
                     f"{item!r} is not a decode point: {group!r} is not SEQUENCESxCONTEXT with "
                     f"both > 0 (e.g. 256x128, 63x1024+1x4096, 64x1088@2112)")
             groups.append((int(seqs), int(context)))
-        point = DecodePoint(tuple(groups))
-        if at:
-            if not (table.isdigit() and int(table) >= max(c for _, c in groups)):
-                raise argparse.ArgumentTypeError(
-                    f"{item!r} is not a decode point: the table width after '@' must be a "
-                    f"number of tokens at least the longest context ({max(c for _, c in groups)})")
-            point = DecodePoint(tuple(groups), int(table))
-        points.append(point)
+        longest = max(context for _, context in groups)
+        if at and not (table.isdigit() and int(table) >= longest):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a decode point: the table width after '@' must be a number "
+                f"of tokens at least the longest context ({longest})")
+        points.append(DecodePoint(tuple(groups), int(table) if at else 0))
     return points
 
 
