@@ -95,6 +95,11 @@ class DecodePoint:
         text = "+".join(f"{count}x{context}" for count, context in self.groups)
         return f"{text}@{self.table_tokens}" if self.table_tokens else text
 
+    def fields(self) -> dict:
+        """What a report row says of its point."""
+        return {"point": self.label, "num_seqs": self.num_seqs, "table_tokens": self.table_width,
+                "kv_tokens": self.kv_tokens}
+
 
 DECODE_POINTS = [DecodePoint.uniform(*point) for point in
                  ((256, 128), (256, 256), (256, 512), (64, 4096), (256, 1024), (16, 16384),
@@ -257,10 +262,7 @@ def decode_point(point: DecodePoint, repeats: int, copy_bytes_per_second: float,
     torch.cuda.empty_cache()
     sdpa = point_sdpa_seconds(point, repeats, generator, graph_replay)
     return {
-        "point": point.label,
-        "num_seqs": point.num_seqs,
-        "table_tokens": point.table_width,
-        "kv_tokens": point.kv_tokens,
+        **point.fields(),
         "input_sets": input_sets(kv_bytes),
         "neo_ms": seconds * 1e3,
         "kv_gb_per_s": kv_bytes / seconds / 1e9,
@@ -312,9 +314,8 @@ def sweep_point(point: DecodePoint, variants, variable: str, repeats: int,
         row["neo_over_best_sdpa"] = row["neo_ms"] / 1e3 / sdpa
     correct = {name: row for name, row in results.items() if row["correct"]}
     best = min(correct, key=lambda name: correct[name]["neo_ms"]) if correct else None
-    return {"point": point.label, "num_seqs": point.num_seqs, "table_tokens": point.table_width,
-            "kv_tokens": point.kv_tokens, "best_sdpa_ms": sdpa * 1e3, "variants": results,
-            "best": best, "baseline_drift_percent": drift_percent}
+    return {**point.fields(), "best_sdpa_ms": sdpa * 1e3, "variants": results, "best": best,
+            "baseline_drift_percent": drift_percent}
 
 
 def best_per_class(report: dict) -> dict:
