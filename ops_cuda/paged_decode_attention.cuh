@@ -249,10 +249,13 @@ __global__ void __launch_bounds__(DecodeConfig<Variant>::kThreads,
   };
 
   const int seq_len = params.seq_lens[seq];
+  // A block of a later partition past the sequence's end leaves before its table and query
+  // loads (as in the tensor-core kernel).
+  if (partition > 0 && start >= seq_len) return;
   if constexpr (Config::kEarlyTable) {
     // One entry per thread: every entry the partition can use that the table holds (those past
-    // seq_len go unread). The entry's load is issued before the query's, and both before
-    // seq_len is needed.
+    // seq_len go unread). The entry's load is issued before the query's, and in the first
+    // partition's blocks both before seq_len is needed.
     static_assert(Config::kMaxTableEntries <= kThreads, "early table loads one entry a thread");
     const int entries =
         min(kPartitionSize >> block_shift, params.max_blocks_per_seq - (start >> block_shift));

@@ -454,14 +454,20 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
                          static_cast<int64_t>(seq) * params.block_table_stride +
                          (start >> block_shift);
   const int64_t block_stride = static_cast<int64_t>(params.num_kv_heads) * block_size * HeadDim;
-  // Issued before seq_len is needed, so their latencies overlap: every block-table entry the
-  // partition can use that the table holds (those past seq_len, or past the partition when it
-  // is not the sequence's last, go unread), and the items' query rows (zero past the heads an
-  // item serves), a few of each a thread.
   constexpr int kEntriesPerThread = (kMaxEntries + kThreads - 1) / kThreads;
   constexpr int kQueryVectors = kItemsPerBlock * kMmaHeads * kRowVectors;
   constexpr int kQueryVectorsPerThread = (kQueryVectors + kThreads - 1) / kThreads;
   const int seq_len = params.seq_lens[seq];
+  const int partitions = decode_partitions(seq_len, params);
+  // A block past its sequence's partitions leaves before it loads anything else: a CUDA graph's
+  // table spans the context it was captured for, so most of its grid may be such blocks, and
+  // their table and query loads would take L2 bandwidth from the blocks that work. Blocks of the
+  // first partition, which always work, issue those loads before seq_len is needed, so their
+  // latencies overlap; a later partition's block issues them once it has seq_len. The loads:
+  // every block-table entry the partition can use that the table holds (those past seq_len, or
+  // past the partition when it is not the sequence's last, go unread), and the items' query
+  // rows (zero past the heads an item serves), a few of each a thread.
+  if (partition > 0 && partition >= partitions) return;
   const int entries =
       min(kMaxPartitionTokens >> block_shift, params.max_blocks_per_seq - (start >> block_shift));
   int entry[kEntriesPerThread];
@@ -482,13 +488,10 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
                                      (seq_row + item_first_head(item) + h) * HeadDim + 8 * v);
     }
   }
-  const int partitions = decode_partitions(seq_len, params);
-  if (start >= seq_len || partition >= partitions) {
-    if (partition == 0) {
-      for (int i = 0; i < items_here; ++i) {
-        T* out = static_cast<T*>(params.out) + (seq_row + item_first_head(i)) * HeadDim;
-        for (int e = tid; e < item_heads(i) * HeadDim; e += kThreads) out[e] = from_float<T>(0.0f);
-      }
+  if (seq_len <= 0) {  // the first partition of an empty sequence: its output is zeros
+    for (int i = 0; i < items_here; ++i) {
+      T* out = static_cast<T*>(params.out) + (seq_row + item_first_head(i)) * HeadDim;
+      for (int e = tid; e < item_heads(i) * HeadDim; e += kThreads) out[e] = from_float<T>(0.0f);
     }
     return;
   }
