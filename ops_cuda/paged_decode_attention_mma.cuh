@@ -46,10 +46,11 @@ namespace {
 constexpr int kMmaHeads = 8;
 // Tokens a warp attends per step: two n-halves of the score product, the k of the value one.
 constexpr int kMmaTileTokens = 16;
-// choose_warps_per_item's bar: the share of a full wave of resident warps a grid's items must
-// exceed before fewer warps per item are used.
-constexpr int kMinWaveShareNumerator = 9;
-constexpr int kMinWaveShareDenominator = 16;
+// choose_warps_per_item's bars, in sixteenths of a full wave of resident warps: the share the
+// grid's warps must exceed at one warp per item, and at two, before that many are used.
+constexpr int kOneWarpWaveShare = 9;
+constexpr int kTwoWarpsWaveShare = 6;
+constexpr int kWaveShareDenominator = 16;
 
 __device__ __forceinline__ uint16_t element_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ uint16_t element_bits(__half x) { return __half_as_ushort(x); }
@@ -550,11 +551,14 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
 }
 
 // Warps per item for a grid of `items` (sequence, head chunk) pairs per partition: the
-// variant's warps_per_item, or, where that is 0, the fewest (1, 2 or the block's warps) that
-// put more than kMinWaveShare of a full wave of resident warps on the device. One warp per item
-// leaves out the merge across warps and spreads a block's fixed costs over more items, but a
-// grid with few items then fills only part of the GPU; more warps per item deal a partition's
-// tiles among them.
+// variant's warps_per_item, or, where that is 0, one where the items' warps exceed 9/16 of a
+// full wave of resident warps on the device, else two where their warps exceed 6/16, else the
+// block's warps. One warp per item leaves out the merge across warps and spreads a block's fixed
+// costs over more items, but a grid with few items then fills only part of the GPU; more warps
+// per item deal a partition's tiles among them. Four warps per item also put a grid of about
+// 64 sequences of 8 KV heads right at one full wave, where a single longer sequence spills its
+// blocks into a second one; two warps keep it at half a wave (benchmarks/cuda_kernels.py
+// --sweep over the _i1, _i2 and _i4 variants shows where each count leads).
 template <typename Config>
 int choose_warps_per_item(int64_t items) {
   if constexpr (Config::kWarpsPerItem != 0) {
@@ -566,8 +570,9 @@ int choose_warps_per_item(int64_t items) {
     cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
     const int64_t wave = static_cast<int64_t>(multiprocessors) * Config::kMinBlocksPerSm *
                          Config::kWarps;
-    for (int warps = 1; warps < Config::kWarps; warps *= 2) {
-      if (items * warps * kMinWaveShareDenominator > wave * kMinWaveShareNumerator) return warps;
+    if (items * kWaveShareDenominator > wave * kOneWarpWaveShare) return 1;
+    if (Config::kWarps > 2 && items * 2 * kWaveShareDenominator > wave * kTwoWarpsWaveShare) {
+      return 2;
     }
     return Config::kWarps;
   }
