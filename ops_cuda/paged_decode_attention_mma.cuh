@@ -551,9 +551,9 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
 }
 
 // Warps per item for a grid of `items` (sequence, head chunk) pairs per partition: the
-// variant's warps_per_item, or, where that is 0, one where the items' warps exceed 9/16 of a
-// full wave of resident warps on the device, else two where their warps exceed 6/16, else the
-// block's warps. One warp per item leaves out the merge across warps and spreads a block's fixed
+// variant's warps_per_item, or, where that is 0, one where the items' warps exceed
+// kOneWarpWaveShare sixteenths of a full wave of resident warps on the device, else two where
+// their warps at two exceed kTwoWarpsWaveShare sixteenths, else the block's warps. One warp per item leaves out the merge across warps and spreads a block's fixed
 // costs over more items, but a grid with few items then fills only part of the GPU; more warps
 // per item deal a partition's tiles among them. Four warps per item also put a grid of about
 // 64 sequences of 8 KV heads right at one full wave, where a single longer sequence spills its
