@@ -31,11 +31,13 @@ point of the class.
 
 ``--points 96x512,160x256`` measures other decode points (``63x1024+1x4096``: a mixed batch;
 ``64x1088@2112``: a table 2112 tokens wide), ``--variants A,B`` sweeps only those
-variants, and ``--graph-replay`` times the decode calls (neo's and SDPA's) replayed from one CUDA
-graph per input cycle instead of launched from Python.
+variants, ``--graph-replay`` times the decode calls (neo's and SDPA's) replayed from one CUDA
+graph per input cycle instead of launched from Python, and ``--block-order sequential`` puts
+each sequence's blocks one after another in the cache instead of at random places.
 
 Usage: python benchmarks/cuda_kernels.py [--json results.json] [--repeats 20] [--quick] [--sweep]
        [--points SxC[+SxC...][@TABLE],...] [--variants NAME,...] [--graph-replay]
+       [--block-order shuffled|sequential]
 """
 
 import argparse
@@ -45,7 +47,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +65,12 @@ TOKENS, HIDDEN, INTERMEDIATE = 256, 4096, 14336
 
 @dataclass(frozen=True)
 class DecodePoint:
-    """A decode batch: ``groups`` of (sequences, context) and the block table's width in tokens
-    (``table_tokens``; 0: as wide as the longest context)."""
+    """A decode batch: ``groups`` of (sequences, context), the block table's width in tokens
+    (``table_tokens``; 0: as wide as the longest context) and where the sequences' blocks lie
+    in the cache (``block_order``, one of ``BLOCK_ORDERS``)."""
     groups: tuple[tuple[int, int], ...]
     table_tokens: int = 0
+    block_order: str = "shuffled"
 
     @classmethod
     def uniform(cls, num_seqs: int, context: int) -> "DecodePoint":
@@ -98,7 +102,13 @@ class DecodePoint:
     def fields(self) -> dict:
         """What a report row says of its point."""
         return {"point": self.label, "num_seqs": self.num_seqs, "table_tokens": self.table_width,
-                "kv_tokens": self.kv_tokens}
+                "kv_tokens": self.kv_tokens, "block_order": self.block_order}
+
+
+# Where a point's blocks lie in the cache: "shuffled", every block of every sequence at a random
+# place (a pool long in use); "sequential", each sequence's blocks one after another in the order
+# it reads them, and the sequences one after another (a pool that handed out its blocks in order).
+BLOCK_ORDERS = ("shuffled", "sequential")
 
 
 DECODE_POINTS = [DecodePoint.uniform(*point) for point in
@@ -175,31 +185,39 @@ def input_sets(bytes_per_set: int) -> int:
     return max(1, math.ceil(L2_SPAN * l2_bytes / bytes_per_set))
 
 
+def block_table(point: DecodePoint, generator: torch.Generator, device: str) -> torch.Tensor:
+    """The point's block table [num_seqs, table_width / BLOCK_SIZE] over a cache of exactly its
+    blocks: each sequence's blocks in the point's ``block_order`` (``BLOCK_ORDERS``), its entries
+    past them naming block 0 (never read)."""
+    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in point.lengths]
+    num_blocks = sum(blocks_per_seq)
+    rows = torch.arange(point.num_seqs, device=device).repeat_interleave(
+        torch.tensor(blocks_per_seq, device=device))
+    columns = torch.cat([torch.arange(count, device=device) for count in blocks_per_seq])
+    table = torch.zeros(point.num_seqs, point.table_width // BLOCK_SIZE, dtype=torch.int32,
+                        device=device)
+    order = (torch.randperm(num_blocks, generator=generator, device=device)
+             if point.block_order == "shuffled" else torch.arange(num_blocks, device=device))
+    table[rows, columns] = order.int()
+    return table
+
+
 def decode_inputs(point: DecodePoint, generator: torch.Generator):
     """Input sets for ``neo.paged_decode_attention`` at one point, enough of them to span
-    L2_SPAN times the L2 cache: each sequence's blocks drawn at random from its set's cache, its
-    table entries past them naming block 0 (never read). Returns (list of argument tuples, KV
-    bytes read per call)."""
+    L2_SPAN times the L2 cache, each with its own cache and ``block_table``. Returns (list of
+    argument tuples, KV bytes read per call)."""
     dtype = torch.bfloat16
-    lengths = point.lengths
-    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in lengths]
-    num_blocks = sum(blocks_per_seq)
+    num_blocks = sum(-(-length // BLOCK_SIZE) for length in point.lengths)
     kv_bytes = 2 * point.kv_tokens * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     scale = HEAD_DIM ** -0.5
     cache_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    rows = torch.arange(len(lengths), device="cuda").repeat_interleave(
-        torch.tensor(blocks_per_seq, device="cuda"))
-    columns = torch.cat([torch.arange(count, device="cuda") for count in blocks_per_seq])
     sets = []
     for _ in range(input_sets(kv_bytes)):
         k_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
         v_cache = torch.randn(cache_shape, generator=generator, device="cuda", dtype=dtype)
-        table = torch.zeros(len(lengths), point.table_width // BLOCK_SIZE, dtype=torch.int32,
-                            device="cuda")
-        table[rows, columns] = torch.randperm(num_blocks, generator=generator,
-                                              device="cuda").int()
-        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        q = torch.randn(len(lengths), NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
+        table = block_table(point, generator, "cuda")
+        seq_lens = torch.tensor(point.lengths, dtype=torch.int32, device="cuda")
+        q = torch.randn(point.num_seqs, NUM_HEADS, HEAD_DIM, generator=generator, device="cuda",
                         dtype=dtype)
         sets.append((torch.empty_like(q), q, k_cache, v_cache, table, seq_lens, scale))
     return sets, kv_bytes
@@ -343,8 +361,9 @@ def best_per_class(report: dict) -> dict:
 
 
 def timing_label(report: dict) -> str:
-    return ("decode calls replayed from CUDA graphs" if report["graph_replay"]
-            else "decode calls launched from Python")
+    timing = ("decode calls replayed from CUDA graphs" if report["graph_replay"]
+              else "decode calls launched from Python")
+    return f"{timing}, {report['block_order']} blocks"
 
 
 def print_sweep(report: dict) -> None:
@@ -550,6 +569,9 @@ def main(argv=None) -> int:
                         help="time the decode calls (neo's and SDPA's) replayed from a CUDA "
                              "graph, as the engine's decode iterations run, instead of launched "
                              "one by one from Python")
+    parser.add_argument("--block-order", choices=BLOCK_ORDERS, default="shuffled",
+                        help="where the decode points' blocks lie in the cache: shuffled (at "
+                             "random places) or sequential (each sequence's blocks in a row)")
     parser.add_argument("--seed", type=int, default=0)
     arguments = parser.parse_args(argv)
     if arguments.variants and not arguments.sweep:
@@ -565,7 +587,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     repeats = 5 if arguments.quick else arguments.repeats
-    points = arguments.points or (QUICK_DECODE_POINTS if arguments.quick else DECODE_POINTS)
+    points = [replace(point, block_order=arguments.block_order) for point in
+              arguments.points or (QUICK_DECODE_POINTS if arguments.quick else DECODE_POINTS)]
     generator = torch.Generator(device="cuda").manual_seed(arguments.seed)
     copy = copy_bandwidth(repeats)
     report = {
@@ -574,6 +597,7 @@ def main(argv=None) -> int:
         "cuda": torch.version.cuda,
         "copy_gb_per_s": copy / 1e9,
         "graph_replay": arguments.graph_replay,
+        "block_order": arguments.block_order,
         "decode": [],
         "kernels": [],
     }

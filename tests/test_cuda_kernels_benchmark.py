@@ -5,6 +5,7 @@ import argparse
 import re
 
 import pytest
+import torch
 
 from benchmark_modules import benchmark_module
 
@@ -48,3 +49,23 @@ def test_variants_without_a_sweep_are_refused(capsys):
         cuda_kernels.main(["--variants", "w4_l8_p1024_pv_tc"])
     assert exit_info.value.code == 2
     assert "--variants selects among the variants of --sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("block_order", cuda_kernels.BLOCK_ORDERS)
+def test_block_tables_name_every_block_once_in_their_order(block_order):
+    point = cuda_kernels.DecodePoint(((2, 40), (1, 70)), table_tokens=96, block_order=block_order)
+    table = cuda_kernels.block_table(point, torch.Generator().manual_seed(0), "cpu")
+    blocks = [3, 3, 5]  # 40 and 70 tokens in blocks of 16
+    assert table.shape == (3, 6) and table.dtype == torch.int32
+    used = torch.cat([table[row, :count] for row, count in enumerate(blocks)])
+    assert sorted(used.tolist()) == list(range(sum(blocks)))
+    assert all((table[row, count:] == 0).all() for row, count in enumerate(blocks))
+    if block_order == "sequential":
+        assert used.tolist() == list(range(sum(blocks)))
+
+
+def test_an_unknown_block_order_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cuda_kernels.main(["--block-order", "interleaved"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'interleaved'" in capsys.readouterr().err
