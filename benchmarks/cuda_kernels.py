@@ -81,6 +81,11 @@ class DecodePoint:
         return [context for count, context in self.groups for _ in range(count)]
 
     @property
+    def blocks_per_seq(self) -> list[int]:
+        """Each sequence's cache blocks, in order."""
+        return [-(-length // BLOCK_SIZE) for length in self.lengths]
+
+    @property
     def num_seqs(self) -> int:
         return sum(count for count, _ in self.groups)
 
@@ -189,7 +194,7 @@ def block_table(point: DecodePoint, generator: torch.Generator, device: str) -> 
     """The point's block table [num_seqs, table_width / BLOCK_SIZE] over a cache of exactly its
     blocks: each sequence's blocks in the point's ``block_order`` (``BLOCK_ORDERS``), its entries
     past them naming block 0 (never read)."""
-    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in point.lengths]
+    blocks_per_seq = point.blocks_per_seq
     num_blocks = sum(blocks_per_seq)
     rows = torch.arange(point.num_seqs, device=device).repeat_interleave(
         torch.tensor(blocks_per_seq, device=device))
@@ -207,7 +212,7 @@ def decode_inputs(point: DecodePoint, generator: torch.Generator):
     L2_SPAN times the L2 cache, each with its own cache and ``block_table``. Returns (list of
     argument tuples, KV bytes read per call)."""
     dtype = torch.bfloat16
-    num_blocks = sum(-(-length // BLOCK_SIZE) for length in point.lengths)
+    num_blocks = sum(point.blocks_per_seq)
     kv_bytes = 2 * point.kv_tokens * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     scale = HEAD_DIM ** -0.5
     cache_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
