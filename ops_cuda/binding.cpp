@@ -72,8 +72,8 @@ constexpr int64_t kMinBlockSize = 8;
 constexpr int64_t kMaxBlockSize = 128;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGridDimension = 65535;
-// Partitions per sequence the merge kernel's shared memory holds (48 KiB of floats).
-constexpr int64_t kMaxDecodePartitions = 12288;
+// Partitions per sequence: the decode grid's z dimension.
+constexpr int64_t kMaxDecodePartitions = kMaxGridDimension;
 
 bool is_floating_activation(at::ScalarType type) {
   return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;

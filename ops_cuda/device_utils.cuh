@@ -167,20 +167,6 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
   return total;
 }
 
-// Maximum over the whole thread block; same contract as block_sum.
-__device__ __forceinline__ float block_max(float value, float* scratch) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  value = warp_max(value);
-  if (lane == 0) scratch[warp] = value;
-  __syncthreads();
-  float result = -INFINITY;
-  for (int w = 0; w < num_warps; ++w) result = fmaxf(result, scratch[w]);
-  __syncthreads();
-  return result;
-}
-
 // ---- dispatch -----------------------------------------------------------------------------
 
 // Calls `function(T{})` with T the C++ type of `dtype` (float, __half or __nv_bfloat16).

@@ -135,7 +135,8 @@ void launch_paged_decode_attention(const PagedDecodeAttentionParams& params, int
                                    DataType dtype, cudaStream_t stream);
 
 // Log-sum-exp merge of the partitions of split sequences into `out`; launch only when
-// max_partitions > 1.
+// max_partitions > 1, right after launch_paged_decode_attention on the same stream: it is launched
+// as that kernel's programmatic dependent where the device supports it.
 void launch_paged_decode_attention_merge(const PagedDecodeAttentionParams& params, DataType dtype,
                                          cudaStream_t stream);
 

@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(DecodeConfig<Variant>::kThreads,
   __shared__ float warp_sums[kWarps][Heads];
   __shared__ float output_scale[Heads];
 
+  allow_dependent_launch();
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;

@@ -23,6 +23,25 @@ __device__ __forceinline__ int decode_partitions(int seq_len,
              : (folded + params.partition_size - 1) / params.partition_size;
 }
 
+// The merge of split sequences is launched as a programmatic dependent of the attention kernel
+// (compute capability 9.0 and up; launch_paged_decode_attention_merge): each attention block lets
+// it launch as the block starts, so once every attention block is running the merge's blocks take
+// the slots the attention grid leaves free and wait there, and when the attention grid completes
+// they go on at once instead of being launched then. Below 9.0 both are no-ops and the merge runs
+// after the attention kernel in stream order.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Waits until the grid this one depends on has completed and its writes are visible.
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Where one partition's K/V rows of one KV head live.
 struct RowAddressing {
   const int64_t* block_offsets;  // shared: element offset of this KV head in each logical block

@@ -426,6 +426,7 @@ __global__ void __launch_bounds__(Warps * kWarpSize, MinBlocksPerSm)
   __shared__ uint4 query[kItemsPerBlock][kMmaHeads][kRowVectors + 1];
   __shared__ WarpResult<HeadDim> results[Warps];
 
+  allow_dependent_launch();
   const int tid = threadIdx.x;
   const int lane = tid % kWarpSize;
   const int warp = tid / kWarpSize;

@@ -141,9 +141,10 @@ def test_decode_every_head_dim_and_block_size(cuda_ops, decode_variant, head_dim
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (12, 4), (32, 8), (28, 4),
-                                                    (16, 1), (40, 2)])
+                                                    (16, 1), (40, 2), (6, 2)])
 def test_decode_group_sizes(cuda_ops, decode_variant, dtype, num_heads, num_kv_heads):
-    """MHA, GQA groups of 2/3/4/7/20 and MQA with 16 heads (blocks serve up to 8 heads)."""
+    """MHA, GQA groups of 2/3/4/7/20 and MQA with 16 heads (blocks serve up to 8 heads); 6 heads
+    leave the merge's last block of 4 heads half empty."""
     check_decode(cuda_ops, [1, 17, 700, 64], num_heads, num_kv_heads, 128, 16, dtype)
 
 
