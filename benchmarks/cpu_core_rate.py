@@ -23,6 +23,7 @@ Shapes: query heads / KV heads from ``--heads`` (32/8 is Llama-3.1-8B, 40/8 Qwen
 import argparse
 import multiprocessing
 import os
+import queue
 import time
 
 import torch
@@ -34,12 +35,19 @@ SCALE = HEAD_DIM ** -0.5
 WARMUP_CALLS = 20
 
 
+def kv_bytes(num_kv_heads: int, context: int) -> int:
+    """Bytes of bf16 K and V in the blocks of one sequence of ``context`` tokens."""
+    blocks = -(-context // BLOCK_SIZE)
+    return 2 * blocks * num_kv_heads * BLOCK_SIZE * HEAD_DIM * torch.bfloat16.itemsize
+
+
 def kernel_call(function, num_heads: int, num_kv_heads: int, context: int, ring_bytes: int,
                 generator: torch.Generator):
-    """(call, K/V bytes a call reads): a sequence of ``context`` tokens over its own shuffled
-    blocks; with ``ring_bytes`` > 0, as many such sequences as fit in it, one per call in turn."""
+    """(call, K/V bytes a call reads, sequences in turn): a sequence of ``context`` tokens over
+    its own shuffled blocks; with ``ring_bytes`` > 0, as many such sequences as fit in it, one
+    per call in turn."""
     blocks = -(-context // BLOCK_SIZE)
-    sequence_bytes = 2 * blocks * num_kv_heads * BLOCK_SIZE * HEAD_DIM * 2
+    sequence_bytes = kv_bytes(num_kv_heads, context)
     num_sequences = max(1, ring_bytes // sequence_bytes)
     shape = (blocks * num_sequences, num_kv_heads, BLOCK_SIZE, HEAD_DIM)
     k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
@@ -68,7 +76,7 @@ def run_process(cpu: int, source: str, heads: tuple[int, int], context: int, rin
                     neo.ops.implementations("paged_decode_attention", "cpu")
                     if impl.name == implementation)
     if source == "sum":
-        _, nbytes, _ = kernel_call(function, *heads, context, 0, generator)
+        nbytes = kv_bytes(heads[1], context)
         buffer = torch.randn(nbytes // 4, generator=generator)
         call, rounds = buffer.sum, 1
     else:
@@ -94,11 +102,21 @@ def measure(cpus: list[int], *arguments) -> list[float]:
                  for cpu in cpus]
     for process in processes:
         process.start()
-    rates = [results.get() for _ in processes]
-    for process in processes:
-        process.join()
-        if process.exitcode != 0:
-            raise RuntimeError(f"a measuring process exited with code {process.exitcode}")
+    rates = []
+    try:
+        while len(rates) < len(processes):
+            try:
+                rates.append(results.get(timeout=1.0))
+            except queue.Empty:
+                # A process that died leaves the others at the barrier: stop them all.
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a measuring process exited with code {failed[0]}")
+    finally:
+        for process in processes:
+            if len(rates) < len(processes):
+                process.terminate()
+            process.join()
     return rates
 
 

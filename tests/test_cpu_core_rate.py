@@ -72,3 +72,18 @@ def test_bad_arguments_are_refused(core_rate, monkeypatch, arguments):
     with pytest.raises(SystemExit):
         core_rate.main()
 
+
+
+def test_a_process_that_fails_stops_the_point_with_its_exit_code(core_rate, monkeypatch):
+    """The last process exits before the barrier; the others, left waiting there, are stopped."""
+    cpus = sorted(core_rate.os.sched_getaffinity(0))[:2]
+    measure_one = core_rate.run_process
+
+    def failing_on_the_last(cpu, *arguments):
+        if cpu == cpus[-1]:
+            raise SystemExit(3)
+        measure_one(cpu, *arguments)
+
+    monkeypatch.setattr(core_rate, "run_process", failing_on_the_last)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        core_rate.measure(cpus, "L2", (32, 8), 32, 0, "reference", 0.05)
