@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+import neo.ops
 from read_probe import PROBE_ROUNDS, PROBE_SLICES, ReadProbe
 
 GIB = 1 << 30
@@ -221,9 +222,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     write = terminalreporter.write_line
     terminalreporter.section("kernel bandwidth summary")
     cache = last_level_cache_bytes()
+    variant = neo.ops.ispc_bf16_decode_variant()
     write(f"machine: {machine_name()}, {os.cpu_count()} CPUs, last-level cache "
           f"{'unknown' if cache is None else f'{cache / (1 << 20):.0f} MiB'}; "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}" + (f"; ispc bf16 variant {variant}" if variant else ""))
     write(f"working set {summary.working_set_bytes / GIB:.1f} GiB, a different slice each call. "
           f"Read probe: float32 torch.sum, a different 1/{PROBE_SLICES} of a "
           f"{summary.working_set_bytes / GIB:.1f} GiB buffer each call, fastest of "

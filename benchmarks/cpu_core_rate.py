@@ -152,9 +152,10 @@ def main() -> None:
         parser.error("--context and --seconds must be positive")
 
     kv_kib = 2 * args.context * 8 * HEAD_DIM * 2 / 1024
-    print(f"{args.implementation}, {args.context} tokens a call ({kv_kib:.0f} KiB of K/V at 8 KV "
-          f"heads), one thread a process, each process pinned to its own CPU; DRAM: a ring of "
-          f"{args.ring_mib} MiB a process")
+    variant = neo.ops.ispc_bf16_decode_variant() if args.implementation == "ispc" else None
+    print(f"{args.implementation}{f' ({variant} variant)' if variant else ''}, {args.context} "
+          f"tokens a call ({kv_kib:.0f} KiB of K/V at 8 KV heads), one thread a process, each "
+          f"process pinned to its own CPU; DRAM: a ring of {args.ring_mib} MiB a process")
     print(f"{'source':6s} {'heads':>6s} {'processes':>9s} {'GB/s a process':>15s} "
           f"{'slowest-fastest':>16s} {'total':>8s}")
     for source in sources:

@@ -8,9 +8,9 @@ numba kernel on the CPU when ISPC was not. ``python -m neo.ops`` lists what is a
 """
 
 from . import library, registry
-from .registry import (Implementation, build_fingerprints, dispatched, implementations, register_kernel,
-                       select_implementation)
+from .registry import (Implementation, build_fingerprints, dispatched, implementations, ispc_bf16_decode_variant,
+                       register_kernel, select_implementation)
 from .schemas import OP_NAMES, SCHEMAS
 
 __all__ = ["OP_NAMES", "SCHEMAS", "Implementation", "build_fingerprints", "dispatched", "implementations",
-           "library", "register_kernel", "registry", "select_implementation"]
+           "ispc_bf16_decode_variant", "library", "register_kernel", "registry", "select_implementation"]

@@ -14,7 +14,7 @@ import textwrap
 
 import torch
 
-from . import OP_NAMES, SCHEMAS, dispatched, implementations
+from . import OP_NAMES, SCHEMAS, dispatched, implementations, ispc_bf16_decode_variant
 from .schemas import TENSORS
 
 WIDTH = 100
@@ -54,6 +54,17 @@ def tensor_lines(op: str) -> list[str]:
     return lines
 
 
+def variant_note(op: str, impl) -> str:
+    """For the ISPC decode attention: the variant its bf16 calls run now."""
+    if op != "paged_decode_attention" or impl.name != "ispc" or not impl.available:
+        return ""
+    try:
+        variant = ispc_bf16_decode_variant()
+    except ValueError as error:
+        return f"bf16: {error}"
+    return f"bf16 variant {variant} (NEO_CPU_DECODE_ATTENTION_VARIANT: auto, generic, bf16_dot)"
+
+
 def main() -> None:
     print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}; "
           f"CPU threads: {torch.get_num_threads()}")
@@ -73,6 +84,9 @@ def main() -> None:
             kind = "native" if impl.native else "python"
             state = "available" if impl.available else f"unavailable: {impl.note}"
             print(f"    {impl.name:<10} {'/'.join(impl.devices):<9} {kind:<6} {state}")
+            note = variant_note(op, impl)
+            if note:
+                print(wrapped(note, " " * 8, " " * 6))
         print(f"  torch.ops.neo.{op} dispatches to: cpu -> {dispatch_target(op, 'cpu')}, "
               f"cuda -> {dispatch_target(op, 'cuda')}")
 

@@ -1,18 +1,24 @@
 // C++ driver of the ISPC paged decode-attention kernel: checks the arguments, splits the work
 // into chunks (attention_plan.h), runs the chunks on at::parallel_for's threads, and merges the
 // partial results of a sequence that was split across chunks on the thread that finishes its
-// last chunk (one parallel region per call).
+// last chunk (one parallel region per call). For bf16 caches the tile's score and value passes
+// come in two variants: the ISPC ones, which widen bf16 to float32 ("generic"), and ones with the
+// CPU's bf16 dot-product instruction ("bf16_dot", tile_bf16_dot.cpp), the default where the CPU
+// has it; NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
 
 #include "decode_attention_ispc.h"
 
 #include "attention_plan.h"
 #include "checks.h"
 #include "ops.h"
+#include "tile_bf16_dot.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -20,6 +26,26 @@ namespace neo_cpu {
 namespace {
 
 constexpr const char* kOp = "paged_decode_attention";
+constexpr const char* kVariantVariable = "NEO_CPU_DECODE_ATTENTION_VARIANT";
+
+}  // namespace
+
+bool bf16_decode_attention_uses_dot() {
+    static const bool available = cpu_has_bf16_dot();
+    const char* requested = std::getenv(kVariantVariable);
+    if (requested == nullptr || requested[0] == '\0' || std::strcmp(requested, "auto") == 0) {
+        return available;
+    }
+    if (std::strcmp(requested, "generic") == 0) return false;
+    TORCH_CHECK_VALUE(std::strcmp(requested, "bf16_dot") == 0, "neo.", kOp, ": ",
+                      kVariantVariable, "=", requested, " names no CPU decode attention "
+                      "variant; choose one of auto, generic, bf16_dot");
+    TORCH_CHECK_VALUE(available, "neo.", kOp, ": ", kVariantVariable, "=bf16_dot needs a CPU "
+                      "with AVX512-BF16 (the VDPBF16PS instruction), which this one lacks");
+    return true;
+}
+
+namespace {
 
 void check_arguments(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -87,9 +113,10 @@ struct Kernels {
     void (*attend_chunk)(const Storage* query, const Storage* key_cache,
                          const Storage* value_cache, int32_t block_size_log2,
                          int32_t num_kv_heads, int32_t head_dim, int32_t group, float scale,
-                         const ispc::TokenRange* chunk, const ispc::TokenRange* next_chunk,
-                         bool prefetch_start, float* scaled_query, float* accumulator,
-                         float* running_max, float* running_sum);
+                         bool bf16_dot, const ispc::TokenRange* chunk,
+                         const ispc::TokenRange* next_chunk, bool prefetch_start,
+                         float* scaled_query, float* accumulator, float* running_max,
+                         float* running_sum);
     void (*merge_partials)(const float* partials, int32_t count, int32_t num_heads,
                            int32_t head_dim, Storage* out);
 };
@@ -97,7 +124,7 @@ struct Kernels {
 template <typename Storage>
 void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tensor& q,
          const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* block_table,
-         int64_t max_blocks, const int32_t* seq_lens, double scale) {
+         int64_t max_blocks, const int32_t* seq_lens, double scale, bool bf16_dot = false) {
     const int64_t num_seqs = q.size(0);
     const int32_t num_heads = static_cast<int32_t>(q.size(1));
     const int32_t head_dim = static_cast<int32_t>(q.size(2));
@@ -158,8 +185,8 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
                                  : partials.get() + chunk.partial_index * partial_floats;
             kernels.attend_chunk(queries + chunk.sequence * query_floats, keys, values,
                                  block_size_log2, num_kv_heads, head_dim, group,
-                                 static_cast<float>(scale), &range, &next_range, first_chunk,
-                                 scaled_query, partial, partial + query_floats,
+                                 static_cast<float>(scale), bf16_dot, &range, &next_range,
+                                 first_chunk, scaled_query, partial, partial + query_floats,
                                  partial + query_floats + num_heads);
             if (chunk.partial_index < 0) {
                 kernels.merge_partials(partial, 1, num_heads, head_dim,
@@ -206,7 +233,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
             break;
         default:  // bfloat16; check_arguments admits no other dtype
             run<uint16_t>({ispc::attend_chunk_bf16, ispc::merge_partials_bf16}, out, q, k_cache,
-                          v_cache, table_data, max_blocks, length_data, scale);
+                          v_cache, table_data, max_blocks, length_data, scale,
+                          bf16_decode_attention_uses_dot());
             break;
     }
 }

@@ -14,6 +14,28 @@
 
 #include "attention_elements.isph"
 
+// The two passes of the tile for bf16 with the CPU's bf16 dot-product instruction
+// (tile_bf16_dot.cpp):
+//   tile_scores_bf16_dot: scores[h * scores_stride + t] = scale * q_h . k_t for the tile's
+//     tokens, with the tile's prefetches when prefetch_offsets is not NULL; query_words:
+//     [heads, head_dim / 2] the stored bf16 query read as 32-bit words;
+//   tile_values_bf16_dot: accumulator[h] = accumulator[h] * rescale[h] + sum_t p[h][t] v_t with
+//     p = probabilities[h * probabilities_stride + t], already rounded to bf16.
+extern "C" void tile_scores_bf16_dot(uniform int32 heads,
+                                     uniform const unsigned int32 query_words[],
+                                     uniform const uint16 key_cache[],
+                                     uniform const uint16 value_cache[],
+                                     uniform const int64 row_offsets[], uniform int32 num_tokens,
+                                     uniform int32 head_dim, uniform float scale,
+                                     uniform const int64 * uniform prefetch_offsets,
+                                     uniform float scores[], uniform int32 scores_stride);
+extern "C" void tile_values_bf16_dot(uniform int32 heads, uniform const float probabilities[],
+                                     uniform int32 probabilities_stride,
+                                     uniform const float rescale[],
+                                     uniform const uint16 value_cache[],
+                                     uniform const int64 row_offsets[], uniform int32 num_tokens,
+                                     uniform int32 head_dim, uniform float accumulator[]);
+
 // Bytes of K and V (over all KV heads) a tile spans at most: small enough that the tile being
 // computed and the one being prefetched stay in the L2 cache.
 #define TILE_BYTES 131072
@@ -67,16 +89,19 @@ static inline float exp_nonpositive(float x) {
 }
 
 // Online softmax step for one head over one tile: turns scores[0, num_tokens) into
-// exp(score - new_max), updates running_max and running_sum, and returns the factor
-// exp(old_max - new_max) that earlier accumulations must be multiplied by.
+// exp(score - new_max) (rounded to bf16 with `to_bfloat16`, before they are summed), updates
+// running_max and running_sum, and returns the factor exp(old_max - new_max) that earlier
+// accumulations must be multiplied by.
 static inline uniform float softmax_tile(uniform float scores[], uniform int num_tokens,
-                                         uniform float &running_max, uniform float &running_sum) {
+                                         uniform bool to_bfloat16, uniform float &running_max,
+                                         uniform float &running_sum) {
     float tile_max = NEGATIVE_INFINITY;
     foreach (t = 0 ... num_tokens) tile_max = max(tile_max, scores[t]);
     uniform float new_max = max(running_max, reduce_max(tile_max));
     float tile_sum = 0;
     foreach (t = 0 ... num_tokens) {
         float probability = exp_nonpositive(scores[t] - new_max);
+        if (to_bfloat16) probability = floatbits(float_to_bfloat16(probability) << 16);
         scores[t] = probability;
         tile_sum += probability;
     }
@@ -155,23 +180,29 @@ static inline void prefetch_pair(const void * uniform far_0, const void * unifor
 #define ELEMENT float
 #define STORAGE float
 #define SUFFIX f32
+#define BFLOAT16 0
 #include "attention_chunk.isph"
 #undef ELEMENT
 #undef STORAGE
 #undef SUFFIX
+#undef BFLOAT16
 
 #define ELEMENT float16
 #define STORAGE uint16
 #define SUFFIX f16
+#define BFLOAT16 0
 #include "attention_chunk.isph"
 #undef ELEMENT
 #undef STORAGE
 #undef SUFFIX
+#undef BFLOAT16
 
 #define ELEMENT uint16
 #define STORAGE uint16
 #define SUFFIX bf16
+#define BFLOAT16 1
 #include "attention_chunk.isph"
 #undef ELEMENT
 #undef STORAGE
 #undef SUFFIX
+#undef BFLOAT16

@@ -16,6 +16,12 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q,
                             const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale);
 
+// Whether a bf16 paged_decode_attention call now runs the "bf16_dot" variant (else "generic"):
+// the one NEO_CPU_DECODE_ATTENTION_VARIANT names, or where it is unset, empty or "auto", whether
+// the CPU has AVX512-BF16. Throws c10::ValueError for an unknown name, or for bf16_dot on a CPU
+// without the instruction.
+bool bf16_decode_attention_uses_dot();
+
 // key, value: [num_tokens, num_kv_heads, head_dim]; caches as above (one dtype with key);
 // slot_mapping: int64 [num_tokens], block * block_size + offset (distinct), -1 skips the token.
 void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,

@@ -72,6 +72,13 @@ def implementation_params(op: str, devices=("cpu", "cuda"), names=None):
     return params
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16, which the ISPC kernel's bf16_dot variant needs (Linux
+    lists the flag once the OS saves the registers)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        return "avx512_bf16" in cpuinfo.read().split()
+
+
 def random_tensor(shape, dtype, generator, device="cpu", scale=1.0) -> torch.Tensor:
     """Normal random values (drawn in float32 on the CPU), times ``scale``, as ``dtype``."""
     return (torch.randn(shape, generator=generator) * scale).to(dtype).to(device)

@@ -5,9 +5,12 @@ from Python runs too, is the one called, and leaves ``torch.ops.neo``'s label tr
 unknown or unavailable name is refused with the available ones; the perf-model key names the
 kernel."""
 
+import json
+
 import pytest
 
 import neo.ops
+from conftest import cpu_has_bf16_dot
 from engine_reference import PROMPTS, gib_for_blocks, greedy_continuations, transformers_tiny
 from neo import LLM, EngineConfig, LLMEngine, SamplingParams
 from neo.cli import main as cli_main
@@ -103,3 +106,25 @@ def test_the_perf_model_key_names_the_kernel_and_the_stage_order():
     assert all(key["stage_order"] == "asymmetric" for key in keys)
     if len(keys) == 2:
         assert engines[0].profiler.default_path() != engines[1].profiler.default_path()
+
+
+def test_the_perf_model_key_names_the_ispc_bf16_variant(monkeypatch):
+    """The ISPC kernel's bf16 variant is chosen at every call: a table measured with one does not
+    serve an engine that runs the other."""
+    if "ispc" not in CPU_KERNELS:
+        pytest.skip("the ISPC kernels are not built")
+    engine = LLMEngine(EngineConfig(policy="neo", cpu_attention_kernel="ispc", **(SMALL | {"dtype": "bfloat16"})))
+    try:
+        keys = {}
+        for variant in ["generic", "bf16_dot"] if cpu_has_bf16_dot() else ["generic"]:
+            monkeypatch.setenv("NEO_CPU_DECODE_ATTENTION_VARIANT", variant)
+            keys[variant] = engine.profiler.key()
+            assert keys[variant]["cpu_attention_variant"] == variant
+        assert len({json.dumps(key, sort_keys=True) for key in keys.values()}) == len(keys)
+    finally:
+        engine.close()
+    float32_engine = LLMEngine(EngineConfig(policy="neo", cpu_attention_kernel="ispc", **SMALL))
+    try:
+        assert "cpu_attention_variant" not in float32_engine.profiler.key()
+    finally:
+        float32_engine.close()

@@ -66,3 +66,14 @@ def test_listing_fits_the_terminal(listing):
     text, kept whole on its line."""
     long_lines = [line for line in listing.splitlines() if len(line) > WIDTH and " unavailable: " not in line]
     assert not long_lines, long_lines
+
+
+def test_listing_names_the_ispc_bf16_decode_variant(listing):
+    ispc = [impl for impl in neo.ops.implementations("paged_decode_attention", available_only=False)
+            if impl.name == "ispc"]
+    if not ispc or not ispc[0].available:
+        pytest.skip(f"ispc: {ispc[0].note if ispc else 'not registered'}")
+    from neo.ops import _cpu_kernels
+
+    section = " ".join(op_section(listing, "paged_decode_attention").split())
+    assert f"bf16 variant {_cpu_kernels.bf16_decode_attention_variant()} " in section

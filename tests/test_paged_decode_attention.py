@@ -18,8 +18,8 @@ import torch
 
 import neo.ops
 
-from conftest import (FLOAT_DTYPES, TOLERANCES, assert_close, gather_sequence, implementation_params,
-                      poisoned_like, random_paged_kv, random_tensor)
+from conftest import (FLOAT_DTYPES, TOLERANCES, assert_close, cpu_has_bf16_dot, gather_sequence,
+                      implementation_params, poisoned_like, random_paged_kv, random_tensor)
 
 OP = "paged_decode_attention"
 IMPLEMENTATIONS = implementation_params(OP)
@@ -366,6 +366,78 @@ def test_bad_input_raises(implementation, device, name, generator):
     arguments = breaking(valid_arguments(device, generator), device, generator)
     with pytest.raises((ValueError, RuntimeError), match=phrase):
         implementation.function(*arguments.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The ISPC kernel's bf16 score-pass variants (NEO_CPU_DECODE_ATTENTION_VARIANT): "generic" widens
+# bf16 to float32, "bf16_dot" uses the CPU's bf16 dot-product instruction (AVX512-BF16) and is the
+# default where the CPU has it. The grids above run the default; these run each variant.
+
+CPU_VARIANT_VARIABLE = "NEO_CPU_DECODE_ATTENTION_VARIANT"
+ISPC = implementation_params(OP, devices=("cpu",), names=("ispc",))
+
+
+@pytest.fixture(params=["generic", "bf16_dot"])
+def cpu_variant(request, monkeypatch):
+    if request.param == "bf16_dot" and not cpu_has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16 (VDPBF16PS)")
+    monkeypatch.setenv(CPU_VARIANT_VARIABLE, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (10, 2), (40, 8), (64, 8), (9, 1)],
+                         ids=["mha", "gqa3", "gqa5", "qwen32b", "gqa8", "mqa9"])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize(("implementation", "device"), ISPC)
+def test_ispc_bf16_variants(implementation, device, head_dim, heads, cpu_variant, generator):
+    """Every slice of 1..8 query heads a KV head, head_dims with and without a partial last
+    16-word step, lengths that end a tile of 16 tokens early or late, and a sequence long enough
+    to be split across threads."""
+    seq_lens = [1, 2, 17, 31, 16 * 9 + 5, int(torch.randint(2000, 3000, (), generator=generator))]
+    check(implementation, *make_case(seq_lens, *heads, head_dim, 16, torch.bfloat16, generator,
+                                     device, sharpness=4.0))
+
+
+@pytest.mark.parametrize(("implementation", "device"), ISPC)
+def test_ispc_default_bf16_variant_follows_the_cpu(implementation, device, monkeypatch, generator):
+    """Unset, empty or "auto": the dot-product variant where the CPU has it, else the generic
+    one, bit for bit, and the extension names the variant it runs."""
+    from neo.ops import _cpu_kernels
+
+    case = make_case([700, 45, 3], 32, 8, 128, 16, torch.bfloat16, generator, device)
+    expected_variant = "bf16_dot" if cpu_has_bf16_dot() else "generic"
+    monkeypatch.setenv(CPU_VARIANT_VARIABLE, expected_variant)
+    expected = run(implementation, *case)
+    for default in ["auto", "", None]:
+        if default is None:
+            monkeypatch.delenv(CPU_VARIANT_VARIABLE)
+        else:
+            monkeypatch.setenv(CPU_VARIANT_VARIABLE, default)
+        assert _cpu_kernels.bf16_decode_attention_variant() == expected_variant
+        assert torch.equal(run(implementation, *case), expected)
+    monkeypatch.setenv(CPU_VARIANT_VARIABLE, "generic")
+    assert _cpu_kernels.bf16_decode_attention_variant() == "generic"
+
+
+@pytest.mark.parametrize(("implementation", "device"), ISPC)
+def test_ispc_unknown_or_unavailable_variant_is_refused(implementation, device, monkeypatch,
+                                                        generator):
+    case = make_case([40], 8, 2, 64, 16, torch.bfloat16, generator, device)
+    from neo.ops import _cpu_kernels
+
+    monkeypatch.setenv(CPU_VARIANT_VARIABLE, "avx9")
+    message = (f"{CPU_VARIANT_VARIABLE}=avx9 names no CPU decode attention variant; choose one of "
+               "auto, generic, bf16_dot")
+    with pytest.raises(ValueError, match=message):
+        run(implementation, *case)
+    with pytest.raises(ValueError, match=message):
+        _cpu_kernels.bf16_decode_attention_variant()
+    monkeypatch.setenv(CPU_VARIANT_VARIABLE, "bf16_dot")
+    if cpu_has_bf16_dot():
+        check(implementation, *case)
+    else:
+        with pytest.raises(ValueError, match="bf16_dot needs a CPU with AVX512-BF16"):
+            run(implementation, *case)
 
 
 # ---------------------------------------------------------------------------------------------

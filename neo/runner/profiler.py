@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from neo.models.attention_metadata import AttentionMetadata
 from neo.models.config import ModelConfig
-from neo.ops import build_fingerprints
+from neo.ops import build_fingerprints, ispc_bf16_decode_variant
 from neo.request import KVLocation, Request
 from neo.sampling_params import SamplingParams
 from neo.sched.block_manager import BlockManager
@@ -169,7 +169,10 @@ class Profiler:
         order = self.host_batch_order
         batch_order = {"host_batch_order": order.name} if order is not HOST_BATCH else {}
         synchronous = {} if self.schedules_ahead else {"schedules_ahead": False}
-        return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | synchronous | {
+        # The ISPC kernel's bf16 variant is chosen at each call (NEO_CPU_DECODE_ATTENTION_VARIANT).
+        variant = ({"cpu_attention_variant": ispc_bf16_decode_variant()}
+                   if self.host_kernel == "ispc" and self.layout.dtype == torch.bfloat16 else {})
+        return ({"tensor_parallel_size": size} if size > 1 else {}) | batch_order | synchronous | variant | {
             "model_shape": model.shape_key,
             "dtype": str(self.layout.dtype).removeprefix("torch."),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
