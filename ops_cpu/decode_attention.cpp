@@ -3,8 +3,8 @@
 // partial results of a sequence that was split across chunks on the thread that finishes its
 // last chunk (one parallel region per call). For bf16 caches the tile's score and value passes
 // come in two variants: the ISPC ones, which widen bf16 to float32 ("generic"), and ones with the
-// CPU's bf16 dot-product instruction ("bf16_dot", tile_bf16_dot.cpp), the default where the CPU
-// has it; NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
+// CPU's bf16 dot-product instruction ("bf16_dot", tile_bf16_dot.cpp), the default on CPUs where
+// it is the faster (cpu_prefers_bf16_dot); NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
 
 #include "decode_attention_ispc.h"
 
@@ -32,9 +32,10 @@ constexpr const char* kVariantVariable = "NEO_CPU_DECODE_ATTENTION_VARIANT";
 
 bool bf16_decode_attention_uses_dot() {
     static const bool available = cpu_has_bf16_dot();
+    static const bool preferred = cpu_prefers_bf16_dot();
     const char* requested = std::getenv(kVariantVariable);
     if (requested == nullptr || requested[0] == '\0' || std::strcmp(requested, "auto") == 0) {
-        return available;
+        return preferred;
     }
     if (std::strcmp(requested, "generic") == 0) return false;
     TORCH_CHECK_VALUE(std::strcmp(requested, "bf16_dot") == 0, "neo.", kOp, ": ",

@@ -3,7 +3,8 @@
 // kernel when the driver picks the "bf16_dot" variant (decode_attention.cpp). VDPBF16PS adds
 // a[2i] * b[2i] + a[2i + 1] * b[2i + 1] to float lane i of its accumulator, the products exact in
 // float32; it treats bf16 subnormal inputs (below 2^-126 in magnitude) as zero and flushes
-// subnormal sums to zero.
+// subnormal sums to zero. Whether that is faster than widening and two FMAs depends on the CPU's
+// throughput of the instruction; cpu_prefers_bf16_dot (tile_bf16_dot.h) says where it is.
 //
 // Scores: a bf16 row read as 32-bit words holds dims (2i, 2i + 1) in word i, so one instruction
 // per 16 words of a K row and its query row replaces the generic pass's widening of both halves
@@ -355,6 +356,11 @@ namespace neo_cpu {
 bool cpu_has_bf16_dot() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0;
+}
+
+bool cpu_prefers_bf16_dot() {
+    __builtin_cpu_init();
+    return cpu_has_bf16_dot() && __builtin_cpu_is("amd");
 }
 
 }  // namespace neo_cpu

@@ -79,6 +79,15 @@ def cpu_has_bf16_dot() -> bool:
         return "avx512_bf16" in cpuinfo.read().split()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id as Linux reports it ("GenuineIntel", "AuthenticAMD")."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def random_tensor(shape, dtype, generator, device="cpu", scale=1.0) -> torch.Tensor:
     """Normal random values (drawn in float32 on the CPU), times ``scale``, as ``dtype``."""
     return (torch.randn(shape, generator=generator) * scale).to(dtype).to(device)
