@@ -295,7 +295,7 @@ NEO_BF16_DOT_TARGET void tile_values(const float* probabilities, int32_t probabi
                                      const float* rescale, const uint16_t* value_cache,
                                      const int64_t* row_offsets, int32_t num_tokens,
                                      int32_t head_dim, float* accumulator) {
-    constexpr int kMaxTileTokens = 128;
+    constexpr int kMaxTileTokens = 128;  // MAX_TILE_TOKENS of decode_attention.ispc
     constexpr int kWeightsStride = kMaxTileTokens / 2 + kLanes;
     uint32_t weights[HEADS * kWeightsStride];
     pack_weights<HEADS>(probabilities, probabilities_stride, num_tokens, weights, kWeightsStride);
