@@ -1,7 +1,7 @@
 // C++ driver of the ISPC paged decode-attention kernel: checks the arguments, splits the work
-// into chunks (attention_plan.h), runs the chunks on at::parallel_for's threads, and merges the
-// partial results of a sequence that was split across chunks on the thread that finishes its
-// last chunk (one parallel region per call). For bf16 caches the tile's score and value passes
+// into chunks of a sequence's KV head group and tokens (attention_plan.h), runs the chunks on
+// at::parallel_for's threads, and merges the partial results of a group whose tokens were split
+// across chunks on the thread that finishes its last chunk (one parallel region per call). For bf16 caches the tile's score and value passes
 // come in two variants: the ISPC ones, which widen bf16 to float32 ("generic"), and ones with the
 // CPU's bf16 dot-product instruction ("bf16_dot", tile_bf16_dot.cpp), the default on CPUs where
 // it is the faster (cpu_prefers_bf16_dot); NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
@@ -113,9 +113,9 @@ template <typename Storage>
 struct Kernels {
     void (*attend_chunk)(const Storage* query, const Storage* key_cache,
                          const Storage* value_cache, int32_t block_size_log2,
-                         int32_t num_kv_heads, int32_t head_dim, int32_t group, float scale,
-                         bool bf16_dot, const ispc::TokenRange* chunk,
-                         const ispc::TokenRange* next_chunk, bool prefetch_start,
+                         int32_t num_kv_heads, int32_t head_dim, int32_t kv_heads, int32_t group,
+                         float scale, bool bf16_dot, const ispc::ChunkRange* chunk,
+                         const ispc::ChunkRange* next_chunk, bool prefetch_start,
                          float* scaled_query, float* accumulator, float* running_max,
                          float* running_sum);
     void (*merge_partials)(const float* partials, int32_t count, int32_t num_heads,
@@ -132,37 +132,46 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
     const int32_t num_kv_heads = static_cast<int32_t>(k_cache.size(1));
     const int32_t group = num_heads / num_kv_heads;
     const int32_t block_size_log2 = __builtin_ctzll(static_cast<uint64_t>(k_cache.size(2)));
-    // A partial result: accumulator [num_heads, head_dim], running_max and running_sum
-    // [num_heads].
-    const int64_t partial_floats = static_cast<int64_t>(num_heads) * (head_dim + 2);
     const int64_t query_floats = static_cast<int64_t>(num_heads) * head_dim;
+
+    const int64_t num_threads = at::get_num_threads();
+    const AttentionPlan plan = plan_attention(seq_lens, num_seqs, num_kv_heads, num_threads);
+    const int32_t kv_heads = plan.kv_heads_per_chunk;
+    // A chunk's query heads, and its partial result: accumulator [chunk_heads, head_dim],
+    // running_max and running_sum [chunk_heads].
+    const int32_t chunk_heads = kv_heads * group;
+    const int64_t chunk_query_floats = static_cast<int64_t>(chunk_heads) * head_dim;
+    const int64_t partial_floats = static_cast<int64_t>(chunk_heads) * (head_dim + 2);
 
     const auto* queries = static_cast<const Storage*>(q.data_ptr());
     const auto* keys = static_cast<const Storage*>(k_cache.data_ptr());
     const auto* values = static_cast<const Storage*>(v_cache.data_ptr());
     auto* outputs = static_cast<Storage*>(out.data_ptr());
+    // The first element of a (sequence, KV head group)'s rows in q and out: [chunk_heads,
+    // head_dim] from there.
+    auto group_row = [&](int64_t sequence, int32_t kv_head_begin) {
+        return sequence * query_floats + static_cast<int64_t>(kv_head_begin) * group * head_dim;
+    };
 
-    const int64_t num_threads = at::get_num_threads();
-    const AttentionPlan plan = plan_attention(seq_lens, num_seqs, num_threads);
     // Left uninitialized, as is each thread's scratch below: a chunk's kernel call writes its
     // whole partial (and the scaled query) before anything reads it. Zeroing them first would be
     // a serial memset of up to a few hundred KiB per call (one partial per chunk of a split
-    // sequence), on the critical path of the small host batches.
+    // group), on the critical path of the small host batches.
     const std::unique_ptr<float[]> partials(new float[plan.num_partials * partial_floats]);
     const int64_t num_chunks = static_cast<int64_t>(plan.chunks.size());
-    auto token_range = [&](int64_t index) {
-        if (index >= num_chunks) return ispc::TokenRange{block_table, 0, 0};
+    auto chunk_range = [&](int64_t index) {
+        if (index >= num_chunks) return ispc::ChunkRange{block_table, 0, 0, 0};
         const AttentionChunk& chunk = plan.chunks[index];
-        return ispc::TokenRange{block_table + chunk.sequence * max_blocks, chunk.token_begin,
-                                chunk.token_end};
+        return ispc::ChunkRange{block_table + chunk.sequence * max_blocks, chunk.kv_head_begin,
+                                chunk.token_begin, chunk.token_end};
     };
     std::atomic<int64_t> next_chunk{0};
-    // Per split sequence, its chunks still running; the thread that ends the last one merges.
-    const int64_t num_split = static_cast<int64_t>(plan.split_sequences.size());
+    // Per split group, its chunks still running; the thread that ends the last one merges.
+    const int64_t num_split = static_cast<int64_t>(plan.split_groups.size());
     std::vector<int64_t> split_of_partial(plan.num_partials);
     auto chunks_left = std::make_unique<std::atomic<int32_t>[]>(num_split);
     for (int64_t index = 0; index < num_split; index++) {
-        const SplitSequence& split = plan.split_sequences[index];
+        const SplitGroup& split = plan.split_groups[index];
         for (int32_t piece = 0; piece < split.count; piece++) {
             split_of_partial[split.first_partial + piece] = index;
         }
@@ -172,34 +181,35 @@ void run(const Kernels<Storage>& kernels, const at::Tensor& out, const at::Tenso
     // Each thread takes chunks from the shared counter, one ahead of the one it works on, so
     // that the kernel can prefetch the start of its next chunk.
     at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-        const std::unique_ptr<float[]> scratch(new float[query_floats + partial_floats]);
+        const std::unique_ptr<float[]> scratch(new float[chunk_query_floats + partial_floats]);
         float* scaled_query = scratch.get();
-        float* whole_sequence_partial = scaled_query + query_floats;
+        float* whole_group_partial = scaled_query + chunk_query_floats;
         bool first_chunk = true;
         for (int64_t index = next_chunk++; index < num_chunks; first_chunk = false) {
             const int64_t following = next_chunk++;
             const AttentionChunk& chunk = plan.chunks[index];
-            const ispc::TokenRange range = token_range(index);
-            const ispc::TokenRange next_range = token_range(following);
+            const ispc::ChunkRange range = chunk_range(index);
+            const ispc::ChunkRange next_range = chunk_range(following);
             float* partial = chunk.partial_index < 0
-                                 ? whole_sequence_partial
+                                 ? whole_group_partial
                                  : partials.get() + chunk.partial_index * partial_floats;
-            kernels.attend_chunk(queries + chunk.sequence * query_floats, keys, values,
-                                 block_size_log2, num_kv_heads, head_dim, group,
+            kernels.attend_chunk(queries + group_row(chunk.sequence, chunk.kv_head_begin), keys,
+                                 values, block_size_log2, num_kv_heads, head_dim, kv_heads, group,
                                  static_cast<float>(scale), bf16_dot, &range, &next_range,
-                                 first_chunk, scaled_query, partial, partial + query_floats,
-                                 partial + query_floats + num_heads);
+                                 first_chunk, scaled_query, partial, partial + chunk_query_floats,
+                                 partial + chunk_query_floats + chunk_heads);
             if (chunk.partial_index < 0) {
-                kernels.merge_partials(partial, 1, num_heads, head_dim,
-                                       outputs + chunk.sequence * query_floats);
+                kernels.merge_partials(partial, 1, chunk_heads, head_dim,
+                                       outputs + group_row(chunk.sequence, chunk.kv_head_begin));
             } else {
                 const int64_t split_index = split_of_partial[chunk.partial_index];
-                // acq_rel: the merging thread sees every other chunk's partial of the sequence.
+                // acq_rel: the merging thread sees every other chunk's partial of the group.
                 if (chunks_left[split_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                    const SplitSequence& split = plan.split_sequences[split_index];
+                    const SplitGroup& split = plan.split_groups[split_index];
                     kernels.merge_partials(partials.get() + split.first_partial * partial_floats,
-                                           split.count, num_heads, head_dim,
-                                           outputs + split.sequence * query_floats);
+                                           split.count, chunk_heads, head_dim,
+                                           outputs + group_row(split.sequence,
+                                                               split.kv_head_begin));
                 }
             }
             index = following;

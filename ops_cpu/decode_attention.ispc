@@ -1,8 +1,8 @@
 // Paged decode attention kernels: one query token per sequence against its paged K/V cache.
 //
 // Exported per storage type (f32, f16, bf16):
-//   attend_chunk_<type>    one KV group's query heads over a token range of one sequence,
-//                          producing an unnormalized partial (accumulator, max, sum);
+//   attend_chunk_<type>    a group of KV heads' query heads over a token range of one
+//                          sequence, producing an unnormalized partial (accumulator, max, sum);
 //   merge_partials_<type>  log-sum-exp merge of a row's partials into the output.
 // The C++ driver (decode_attention.cpp) splits the work over threads and calls these.
 //
@@ -111,36 +111,42 @@ static inline uniform float softmax_tile(uniform float scores[], uniform int num
     return rescale;
 }
 
-// A token range of one sequence: the chunk a call works on.
-struct TokenRange {
+// The chunk a call works on: a token range of one sequence for a group of its KV heads, the
+// group's first head given here and its size by the call.
+struct ChunkRange {
     const int32 * block_ids;  // the sequence's row of the block table
+    int32 kv_head_begin;
     int32 token_begin;
     int32 token_end;
 };
 
-// Element offset of the K/V row of `token` of `range`, KV head 0, in the cache.
-static inline uniform int64 row_offset(uniform const TokenRange * uniform range,
-                                       uniform int64 block_stride, uniform int block_size_log2,
-                                       uniform int head_dim, uniform int token) {
-    uniform int64 block = range->block_ids[token >> block_size_log2];
-    uniform int offset_in_block = token & ((1 << block_size_log2) - 1);
-    return block * block_stride + (uniform int64)offset_in_block * head_dim;
+// The cache's strides, in elements, and its block size.
+struct CacheLayout {
+    int64 block_stride;  // a block: all KV heads' rows
+    int64 head_stride;   // one KV head's rows in a block
+    int block_size_log2;
+    int head_dim;
+};
+
+// Element offset of the K/V row of `token` of `range`, its first KV head, in the cache.
+static inline uniform int64 row_offset(uniform const ChunkRange * uniform range,
+                                       uniform const CacheLayout &layout, uniform int token) {
+    uniform int64 block = range->block_ids[token >> layout.block_size_log2];
+    uniform int offset_in_block = token & ((1 << layout.block_size_log2) - 1);
+    return block * layout.block_stride + range->kv_head_begin * layout.head_stride
+           + (uniform int64)offset_in_block * layout.head_dim;
 }
 
 // Row offset of position `position` of `chunk` continued by `next`: positions past the end of
-// `chunk` continue at the start of `next`. `fallback` past both.
-static inline uniform int64 row_offset_ahead(uniform const TokenRange * uniform chunk,
-                                             uniform const TokenRange * uniform next,
-                                             uniform int64 block_stride,
-                                             uniform int block_size_log2, uniform int head_dim,
+// `chunk` continue at the start of `next` (the same head of `next`'s group as of `chunk`'s: every
+// chunk of a call has as many heads). `fallback` past both.
+static inline uniform int64 row_offset_ahead(uniform const ChunkRange * uniform chunk,
+                                             uniform const ChunkRange * uniform next,
+                                             uniform const CacheLayout &layout,
                                              uniform int position, uniform int64 fallback) {
-    if (position < chunk->token_end) {
-        return row_offset(chunk, block_stride, block_size_log2, head_dim, position);
-    }
+    if (position < chunk->token_end) return row_offset(chunk, layout, position);
     uniform int token = next->token_begin + (position - chunk->token_end);
-    if (token < next->token_end) {
-        return row_offset(next, block_stride, block_size_log2, head_dim, token);
-    }
+    if (token < next->token_end) return row_offset(next, layout, token);
     return fallback;
 }
 

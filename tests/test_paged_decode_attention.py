@@ -144,6 +144,19 @@ def test_thread_counts(implementation, device, threads, torch_threads, generator
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.parametrize("threads", [2, 4, 16])
+@pytest.mark.parametrize("num_seqs", [1, 3, 5, 8])
+@pytest.mark.parametrize(("implementation", "device"), CPU_IMPLEMENTATIONS)
+def test_kv_head_groups(implementation, device, num_seqs, threads, torch_threads, generator):
+    """Short sequences, fewer than the threads' chunks: the ISPC kernel splits each sequence's 8
+    KV heads into groups (2 threads: 5 sequences give groups of 4 heads, 3 of 2, 1 of 1; 8 keep
+    them whole), and on 4 and 16 threads cuts a group's tokens into chunks as well; every
+    group's heads land in their own rows of the output."""
+    torch_threads(threads)
+    seq_lens = [900, 64, 400, 17, 700, 300, 129, 1024][:num_seqs]
+    check(implementation, *make_case(seq_lens, 32, 8, 128, 16, torch.bfloat16, generator, device))
+
+
 FIRST_CALL_SCRIPT = """
 import torch
 torch.set_num_threads(1)
