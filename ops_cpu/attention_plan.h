@@ -8,10 +8,10 @@
 // there are fewer sequences than chunks wanted, each sequence's KV heads are first split into
 // equal groups (no merge needed: the groups' outputs are separate heads). Where a group's tokens
 // are still more than their share, they are cut into near-equal chunks of at least
-// kMinChunkTokens tokens. Threads take chunks longest first from a shared counter,
-// which balances uneven lengths and threads that start late. A group cut into several token
-// chunks gets one partial result per chunk, merged with log-sum-exp by the thread that finishes
-// its last chunk.
+// kMinChunkTokens tokens. Threads take chunks longest first from a shared counter, which
+// balances uneven lengths and threads that start late. A group cut into several token chunks
+// gets one partial result per chunk, merged with log-sum-exp by the thread that finishes its
+// last chunk.
 #pragma once
 
 #include <cstdint>

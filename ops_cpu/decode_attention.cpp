@@ -1,10 +1,11 @@
 // C++ driver of the ISPC paged decode-attention kernel: checks the arguments, splits the work
 // into chunks of a sequence's KV head group and tokens (attention_plan.h), runs the chunks on
 // at::parallel_for's threads, and merges the partial results of a group whose tokens were split
-// across chunks on the thread that finishes its last chunk (one parallel region per call). For bf16 caches the tile's score and value passes
-// come in two variants: the ISPC ones, which widen bf16 to float32 ("generic"), and ones with the
-// CPU's bf16 dot-product instruction ("bf16_dot", tile_bf16_dot.cpp), the default on CPUs where
-// it is the faster (cpu_prefers_bf16_dot); NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
+// across chunks on the thread that finishes its last chunk (one parallel region per call). For
+// bf16 caches the tile's score and value passes come in two variants: the ISPC ones, which
+// widen bf16 to float32 ("generic"), and ones with the CPU's bf16 dot-product instruction
+// ("bf16_dot", tile_bf16_dot.cpp), the default on CPUs where it is the faster
+// (cpu_prefers_bf16_dot); NEO_CPU_DECODE_ATTENTION_VARIANT names one instead.
 
 #include "decode_attention_ispc.h"
 
