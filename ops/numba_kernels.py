@@ -7,17 +7,19 @@ Algorithm (flash-decoding on the CPU):
 
 1. **Plan.** The work is the cache blocks of every sequence, laid end to end. It is cut into one
    equal contiguous share per thread, so a long sequence is split over several threads and many
-   short ones share a thread. Each piece of one sequence that falls into one share is a *work
-   unit*.
-2. **Attend.** Each thread walks its units block by block, and within a block KV head by KV head,
-   so that it reads each block's K and V as two sequential runs (the layout is
+   short ones share a thread. A call too small for every thread to get a long share first splits
+   each sequence's KV heads into equal groups, so that the threads' shares are mostly whole
+   (sequence, head group) *items*: head groups need no merge. Each piece of one item that falls
+   into one share is a *work unit*.
+2. **Attend.** Each thread walks its units block by block, and within a block the unit's KV
+   heads one by one, so that it reads each block's K and V in sequential runs (the layout is
    ``[num_blocks, num_kv_heads, block_size, head_dim]``) and can prefetch the next block. Every K
    and V element is decoded to float32 where it is loaded and used for up to four query heads of
-   its KV group at once;
-   the softmax is computed online per block (running max, running sum, rescaled accumulator), so
-   each unit yields, per query head, an unnormalized output with its max and sum of exponentials.
-3. **Merge.** A unit that is a whole sequence writes its normalized result directly. The units
-   of a sequence split between threads are combined afterwards with a log-sum-exp merge.
+   its KV group at once; the softmax is computed online per block (running max, running sum,
+   rescaled accumulator), so each unit yields, per query head, an unnormalized output with its
+   max and sum of exponentials.
+3. **Merge.** A unit that is a whole item writes its normalized result directly. The units of an
+   item split between threads are combined afterwards with a log-sum-exp merge.
 
 numba does not take float16 or bfloat16 arrays, so the kernel sees half-precision tensors as bit
 patterns (bfloat16 as uint16, float16 as int16) and decodes them where it loads them: bfloat16 is
@@ -56,6 +58,12 @@ FAST_MATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 # A thread's share of the work is at least this many (token, KV head) pairs; smaller calls run on
 # fewer threads, since splitting them costs more than it gains.
 MIN_TOKEN_HEADS_PER_THREAD = 512
+
+# A call whose threads' shares hold at least this many tokens of all KV heads keeps the heads of
+# each sequence together (see ``_plan``): from DRAM, a block read as one run of every head's rows
+# streams faster than as several shorter runs, and shares this long pay little for merging the
+# pieces of a sequence split between threads.
+LONG_SHARE_TOKENS = 512
 
 CACHE_LINE_BYTES = 64
 
@@ -398,13 +406,31 @@ def _values_valid(block_table, seq_lens, num_blocks, block_size):
 
 
 @_compiled()
-def _plan(seq_lens, block_size, num_kv_heads, num_threads):
-    """Cut the blocks of all sequences, laid end to end, into equal contiguous shares per thread.
+def _kv_head_groups(num_seqs, num_kv_heads, wanted_items):
+    """The fewest groups (a divisor of ``num_kv_heads``) that give the sequences together at
+    least ``wanted_items`` (sequence, group) items, or one group a KV head where no count does."""
+    for groups in range(1, num_kv_heads):
+        if num_kv_heads % groups == 0 and num_seqs * groups >= wanted_items:
+            return groups
+    return num_kv_heads
 
-    Returns ``(unit_seq, unit_first_block, unit_end_block, seq_units, thread_units)``: unit ``u``
-    covers blocks ``[unit_first_block[u], unit_end_block[u])`` of sequence ``unit_seq[u]``, all KV
-    heads; the units of sequence ``s`` are ``seq_units[s]:seq_units[s + 1]`` and those of thread
-    ``t`` are ``thread_units[t]:thread_units[t + 1]`` (int64 arrays).
+
+@_compiled()
+def _plan(seq_lens, block_size, num_kv_heads, num_threads):
+    """Cut the work into equal contiguous shares per thread.
+
+    The work is made of *items*: item ``i`` is KV head group ``i % groups`` of sequence ``i //
+    groups``, all of its blocks. The items, laid end to end, are cut into one equal share of
+    blocks per thread. A call whose shares would hold fewer than ``LONG_SHARE_TOKENS`` tokens
+    of all KV heads splits each sequence's heads into equal groups first, to have about as many
+    items as threads: a head group needs no merge, a token range split between threads does.
+    Longer calls keep the heads whole (``groups`` is 1), so that each block is read as one run
+    of every head's rows.
+
+    Returns ``(groups, unit_item, unit_first_block, unit_end_block, item_units,
+    thread_units)``: unit ``u`` covers blocks ``[unit_first_block[u], unit_end_block[u])`` of
+    item ``unit_item[u]``; the units of item ``i`` are ``item_units[i]:item_units[i + 1]`` and
+    those of thread ``t`` are ``thread_units[t]:thread_units[t + 1]`` (int64 arrays).
     """
     num_seqs = seq_lens.shape[0]
     total_blocks = 0
@@ -412,38 +438,43 @@ def _plan(seq_lens, block_size, num_kv_heads, num_threads):
         total_blocks += (seq_lens[seq] + block_size - 1) // block_size
     min_blocks = max(1, MIN_TOKEN_HEADS_PER_THREAD // (block_size * num_kv_heads))
     num_threads = max(1, min(num_threads, total_blocks // min_blocks))
+    groups = 1
+    if num_threads > 1 and total_blocks * block_size < num_threads * LONG_SHARE_TOKENS:
+        groups = _kv_head_groups(num_seqs, num_kv_heads, num_threads)
+    total_work = total_blocks * groups  # blocks of one head group each
     # thread t takes the blocks [share_end[t - 1], share_end[t]) of the work laid end to end
     share_end = np.empty(num_threads, np.int64)
     for thread in range(num_threads):
-        share_end[thread] = (thread + 1) * total_blocks // num_threads
+        share_end[thread] = (thread + 1) * total_work // num_threads
 
-    max_units = num_seqs + num_threads
-    unit_seq = np.empty(max_units, np.int64)
+    num_items = num_seqs * groups
+    max_units = num_items + num_threads
+    unit_item = np.empty(max_units, np.int64)
     unit_first_block = np.empty(max_units, np.int64)
     unit_end_block = np.empty(max_units, np.int64)
-    seq_units = np.empty(num_seqs + 1, np.int64)
+    item_units = np.empty(num_items + 1, np.int64)
     thread_units = np.zeros(num_threads + 1, np.int64)
     num_units = 0
     thread = 0
-    position = 0  # first block of the current sequence in the laid-out work
-    for seq in range(num_seqs):
-        seq_units[seq] = num_units
-        seq_blocks = (seq_lens[seq] + block_size - 1) // block_size
+    position = 0  # first block of the current item in the laid-out work
+    for item in range(num_items):
+        item_units[item] = num_units
+        item_blocks = (seq_lens[item // groups] + block_size - 1) // block_size
         start = position
-        while start < position + seq_blocks:
+        while start < position + item_blocks:
             while share_end[thread] <= start:
                 thread += 1
-            end = min(position + seq_blocks, share_end[thread])
-            unit_seq[num_units] = seq
+            end = min(position + item_blocks, share_end[thread])
+            unit_item[num_units] = item
             unit_first_block[num_units] = start - position
             unit_end_block[num_units] = end - position
             thread_units[thread + 1] = num_units + 1
             num_units += 1
             start = end
-        position += seq_blocks
-    seq_units[num_seqs] = num_units
-    return (unit_seq[:num_units], unit_first_block[:num_units], unit_end_block[:num_units],
-            seq_units, thread_units)
+        position += item_blocks
+    item_units[num_items] = num_units
+    return (groups, unit_item[:num_units], unit_first_block[:num_units],
+            unit_end_block[:num_units], item_units, thread_units)
 
 
 # The helpers below get the caches whole, with indices, rather than slices of them: a slice of an
@@ -736,12 +767,13 @@ def _accumulate_values(weights, cache, block, kv_head, count, first_head, accumu
 
 
 @_compiled(nogil=True)
-def _store(values, out, seq):
-    """``out[seq] = values`` (float32 ``[num_heads, head_dim]``), encoded in ``out``'s element type.
+def _store(values, out, seq, first_head, end_head):
+    """``out[seq, first_head:end_head] = values[first_head:end_head]`` (float32 ``[num_heads,
+    head_dim]``), encoded in ``out``'s element type.
 
     Compiled without fast-math flags: the encoders' rounding relies on exact float arithmetic.
     """
-    for head in range(values.shape[0]):
+    for head in range(first_head, end_head):
         for d in range(values.shape[1]):
             out[seq, head, d] = _from_float32(values[head, d], out)
 
@@ -751,39 +783,45 @@ def _attend_units(first_unit, end_unit, q, k_cache, v_cache, block_table, seq_le
                   partials, out):
     """Attend the units ``first_unit`` to ``end_unit`` of ``plan`` (see ``_plan``) on this thread.
 
-    A unit that is a whole sequence writes its result into ``out``; the others leave, per query
-    head, their unnormalized output, running max and running sum in ``partials`` (arrays
-    ``[num_units, num_heads, head_dim]``, ``[num_units, num_heads]`` and ``[num_units,
-    num_heads]``) for ``_merge_split_sequences``.
+    A unit that is a whole item writes its query heads' results into ``out``; the others leave,
+    per query head of their group, their unnormalized output, running max and running sum in
+    ``partials`` (arrays ``[num_units, num_heads, head_dim]``, ``[num_units, num_heads]`` and
+    ``[num_units, num_heads]``, rows of other groups' heads unwritten) for
+    ``_merge_split_items``.
     """
-    unit_seq, unit_first_block, unit_end_block, seq_units, _ = plan
+    groups, unit_item, unit_first_block, unit_end_block, item_units, _ = plan
     partial_out, partial_max, partial_sum = partials
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    kv_heads_per_item = num_kv_heads // groups
     # the thread's own working arrays (slicing an array shared by the threads would make them
-    # contend for its reference count)
+    # contend for its reference count); rows are indexed by query head
     queries = np.empty((num_heads, head_dim), np.float32)
     accumulator = np.empty((num_heads, head_dim), np.float32)
     running_max = np.empty(num_heads, np.float32)
     running_sum = np.empty(num_heads, np.float32)
     scores = np.empty((group, block_size), np.float32)
     for unit in range(first_unit, end_unit):
-        seq = unit_seq[unit]
-        for head in range(num_heads):
+        item = unit_item[unit]
+        seq = item // groups
+        kv_head_begin = (item % groups) * kv_heads_per_item
+        kv_head_end = kv_head_begin + kv_heads_per_item
+        first_query_head, end_query_head = kv_head_begin * group, kv_head_end * group
+        for head in range(first_query_head, end_query_head):
             for d in range(head_dim):
                 queries[head, d] = _to_float32(q[seq, head, d]) * scale
-        accumulator[:] = 0.0
-        running_max[:] = -np.inf
-        running_sum[:] = 0.0
-        # block by block, all KV heads of a block in turn: the reads stay sequential
+                accumulator[head, d] = 0.0
+            running_max[head] = -np.inf
+            running_sum[head] = 0.0
+        # block by block, the item's KV heads of a block in turn: the reads stay sequential
         for block_index in range(unit_first_block[unit], unit_end_block[unit]):
             block = block_table[seq, block_index]
             # the blocks of a sequence are scattered, out of the hardware prefetcher's reach:
             # each KV head of the next block is fetched while this block's is used
             next_block = block_table[seq, min(block_index + 1, unit_end_block[unit] - 1)]
             count = min(block_size, seq_lens[seq] - block_index * block_size)
-            for kv_head in range(num_kv_heads):
+            for kv_head in range(kv_head_begin, kv_head_end):
                 first_head = kv_head * group
                 _prefetch_rows(k_cache, next_block, kv_head)
                 _prefetch_rows(v_cache, next_block, kv_head)
@@ -792,40 +830,45 @@ def _attend_units(first_unit, end_unit, q, k_cache, v_cache, block_table, seq_le
                                 accumulator)
                 _accumulate_values(scores, v_cache, block, kv_head, count, first_head,
                                    accumulator)
-        if seq_units[seq + 1] - seq_units[seq] == 1:  # the whole sequence: final result
-            for head in range(num_heads):
+        if item_units[item + 1] - item_units[item] == 1:  # the whole item: final result
+            for head in range(first_query_head, end_query_head):
                 # read once: the compiler may then divide by multiplying with its reciprocal
                 total = running_sum[head]
                 for d in range(head_dim):
                     accumulator[head, d] /= total
-            _store(accumulator, out, seq)
+            _store(accumulator, out, seq, first_query_head, end_query_head)
         else:
-            partial_out[unit] = accumulator
-            partial_max[unit] = running_max
-            partial_sum[unit] = running_sum
+            for head in range(first_query_head, end_query_head):
+                for d in range(head_dim):
+                    partial_out[unit, head, d] = accumulator[head, d]
+                partial_max[unit, head] = running_max[head]
+                partial_sum[unit, head] = running_sum[head]
 
 
 @_compiled(parallel=True, fastmath=FAST_MATH, nogil=True)
 def _attend_in_parallel(q, k_cache, v_cache, block_table, seq_lens, scale, plan, partials, out):
     """``_attend_units`` for every thread's share of ``plan``, the shares on parallel threads."""
-    _, _, _, _, thread_units = plan
+    _, _, _, _, _, thread_units = plan
     for thread in prange(thread_units.shape[0] - 1):
         _attend_units(thread_units[thread], thread_units[thread + 1], q, k_cache, v_cache,
                       block_table, seq_lens, scale, plan, partials, out)
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
-def _merge_split_sequences(seq_units, partials, out):
-    """Write into ``out`` the sequences split over threads (at most one per thread boundary):
-    the log-sum-exp merge of their units' ``partials`` (see ``_attend_units``)."""
+def _merge_split_items(plan, partials, out):
+    """Write into ``out`` the items split over threads (at most one per thread boundary): the
+    log-sum-exp merge of their units' ``partials`` (see ``_attend_units``)."""
+    groups, _, _, _, item_units, _ = plan
     partial_out, partial_max, partial_sum = partials
     num_heads, head_dim = partial_out.shape[1], partial_out.shape[2]
+    heads_per_item = num_heads // groups
     merged = np.empty((num_heads, head_dim), np.float32)
-    for seq in range(seq_units.shape[0] - 1):
-        first, end = seq_units[seq], seq_units[seq + 1]
+    for item in range(item_units.shape[0] - 1):
+        first, end = item_units[item], item_units[item + 1]
         if end - first == 1:
             continue
-        for head in range(num_heads):
+        first_head = (item % groups) * heads_per_item
+        for head in range(first_head, first_head + heads_per_item):
             overall_max = partial_max[first, head]
             for unit in range(first + 1, end):
                 overall_max = max(overall_max, partial_max[unit, head])
@@ -839,7 +882,7 @@ def _merge_split_sequences(seq_units, partials, out):
                     merged[head, d] += weight * partial_out[unit, head, d]
             for d in range(head_dim):
                 merged[head, d] /= total
-        _store(merged, out, seq)
+        _store(merged, out, item // groups, first_head, first_head + heads_per_item)
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
@@ -867,8 +910,8 @@ def _decode_attention(out_address, q_address, k_address, v_address, table_addres
     if not _values_valid(block_table, seq_lens, num_blocks, block_size):
         return False
     plan = _plan(seq_lens, block_size, num_kv_heads, num_threads)
-    unit_seq, _, _, seq_units, thread_units = plan
-    num_units, plan_threads = unit_seq.shape[0], thread_units.shape[0] - 1
+    _, unit_item, _, _, _, thread_units = plan
+    num_units, plan_threads = unit_item.shape[0], thread_units.shape[0] - 1
     partials = (np.empty((num_units, num_heads, head_dim), np.float32),
                 np.empty((num_units, num_heads), np.float32),
                 np.empty((num_units, num_heads), np.float32))
@@ -879,7 +922,7 @@ def _decode_attention(out_address, q_address, k_address, v_address, table_addres
         _set_parallel_threads(plan_threads)
         _attend_in_parallel(q, k_cache, v_cache, block_table, seq_lens, np.float32(scale), plan,
                             partials, out)
-        _merge_split_sequences(seq_units, partials, out)
+        _merge_split_items(plan, partials, out)
     return True
 
 

@@ -66,14 +66,18 @@ def run(implementation, q, paged, scale):
     return out
 
 
-def check(implementation, q, paged, scale):
-    """Against the float64 formula. The implementations compute scores in float32: a rounding
-    of relative size eps on a score s moves its softmax weight by eps * |s| relative, so the
-    tolerance also allows float32's eps times the largest |score| (sharp softmaxes over
+def assert_matches_formula(out, q, paged, scale):
+    """``out`` against the float64 formula. The implementations compute scores in float32: a
+    rounding of relative size eps on a score s moves its softmax weight by eps * |s| relative, so
+    the tolerance also allows float32's eps times the largest |score| (sharp softmaxes over
     thousands of tokens reach it in float32)."""
     expected, largest_score = decode_attention_float64(q, paged, scale)
     tolerance = TOLERANCES[q.dtype] + torch.finfo(torch.float32).eps * largest_score
-    assert_close(run(implementation, q, paged, scale), expected, q.dtype, tolerance=tolerance)
+    assert_close(out, expected, q.dtype, tolerance=tolerance)
+
+
+def check(implementation, q, paged, scale):
+    assert_matches_formula(run(implementation, q, paged, scale), q, paged, scale)
 
 
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS.values(), ids=HEAD_LAYOUTS.keys())
@@ -568,6 +572,93 @@ def test_numba_exp():
     expected = torch.exp(x.double())
     assert ((result - expected).abs() / expected).max() < 1e-5
     assert exp_all(np.array([-np.inf, -200.0, -1e30], np.float32)).tolist() == [0.0, 0.0, 0.0]
+
+
+# Sequence lengths for the numba plan: a small host batch's layers (8x256, 8x768, 1x256), long
+# calls, uneven lengths, and very short sequences.
+PLAN_CASES = {"1x256": [256], "8x256": [256] * 8, "8x768": [768] * 8, "16x4096": [4096] * 16,
+              "uneven": [900, 64, 400, 17, 700, 300, 129, 1024], "short": [5, 40, 17]}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 15, 16])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_numba_plan_covers_every_block_of_every_head_once(case, num_kv_heads, threads):
+    """The plan's units tile each (sequence, KV head group) item's blocks in order; the threads'
+    shares are equal to a block; heads are grouped only where shares are short, and then into
+    the fewest groups that give every thread an item."""
+    numba_kernels = numba_kernels_or_skip()
+    block_size = 16
+    seq_lens = np.array(PLAN_CASES[case], np.int32)
+    groups, unit_item, unit_first_block, unit_end_block, item_units, thread_units = \
+        numba_kernels._plan(seq_lens, block_size, num_kv_heads, threads)
+    seq_blocks = (seq_lens + block_size - 1) // block_size
+    plan_threads = len(thread_units) - 1
+    assert 1 <= plan_threads <= threads and num_kv_heads % groups == 0
+    if seq_blocks.sum() * block_size >= plan_threads * numba_kernels.LONG_SHARE_TOKENS:
+        assert groups == 1
+    else:
+        fewer = [count for count in range(1, groups) if num_kv_heads % count == 0]
+        assert all(len(seq_lens) * count < plan_threads for count in fewer)
+        assert len(seq_lens) * groups >= plan_threads or groups == num_kv_heads
+    assert item_units[0] == 0 and item_units[-1] == len(unit_item)
+    for item in range(len(seq_lens) * groups):
+        units = range(item_units[item], item_units[item + 1])
+        assert len(units) >= 1 and all(unit_item[unit] == item for unit in units)
+        bounds = [(unit_first_block[unit], unit_end_block[unit]) for unit in units]
+        assert bounds[0][0] == 0 and bounds[-1][1] == seq_blocks[item // groups]
+        assert all(first < end for first, end in bounds)
+        assert all(end == first for (_, end), (first, _) in zip(bounds, bounds[1:]))
+    share_blocks = [sum(unit_end_block[unit] - unit_first_block[unit]
+                        for unit in range(thread_units[thread], thread_units[thread + 1]))
+                    for thread in range(plan_threads)]
+    assert thread_units[0] == 0 and thread_units[-1] == len(unit_item)
+    assert min(share_blocks) >= 1 and max(share_blocks) - min(share_blocks) <= 1
+
+
+def test_numba_plan_of_a_small_host_batch():
+    """8x256 on 16 threads (8 KV heads): two head groups a sequence, one whole item a thread,
+    nothing to merge; 16x4096 keeps its heads whole."""
+    numba_kernels = numba_kernels_or_skip()
+    groups, unit_item, _, _, _, thread_units = numba_kernels._plan(
+        np.full(8, 256, np.int32), 16, 8, 16)
+    assert groups == 2 and list(unit_item) == list(range(16)) and list(thread_units) == list(range(17))
+    groups, *_ = numba_kernels._plan(np.full(16, 4096, np.int32), 16, 8, 16)
+    assert groups == 1
+
+
+SIXTEEN_THREADS_SCRIPT = """
+import sys
+import torch
+import neo.ops
+torch.set_num_threads(16)
+outputs = []
+for q, k_cache, v_cache, block_table, seq_lens, scale in torch.load(sys.argv[1]):
+    out = torch.full_like(q, float("nan"))
+    torch.ops.neo_numba.paged_decode_attention(out, q, k_cache, v_cache, block_table, seq_lens,
+                                               scale)
+    outputs.append(out)
+torch.save(outputs, sys.argv[2])
+"""
+
+
+def test_numba_kernel_on_sixteen_threads(tmp_path, generator):
+    """numba fixes its thread count when it starts (the core count unless ``NUMBA_NUM_THREADS``
+    says otherwise): a process started with 16 runs the plans of a 16-core host here too, KV head
+    groups, token ranges split between threads and their merges."""
+    numba_kernels_or_skip()
+    cases = [make_case(seq_lens, 32, 8, 128, 16, torch.bfloat16, generator, "cpu")
+             for seq_lens in ([256], [256] * 8, [768] * 3, [900, 64, 400, 17, 700],
+                              [900, 64, 400, 17, 700, 300, 129, 1024], [3000, 5])]
+    torch.save([(q, paged.k_cache, paged.v_cache, paged.block_table, paged.seq_lens, scale)
+                for q, paged, scale in cases], tmp_path / "cases.pt")
+    result = subprocess.run([sys.executable, "-c", SIXTEEN_THREADS_SCRIPT,
+                             str(tmp_path / "cases.pt"), str(tmp_path / "outputs.pt")],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "NUMBA_NUM_THREADS": "16"})
+    assert result.returncode == 0, result.stderr
+    for out, (q, paged, scale) in zip(torch.load(tmp_path / "outputs.pt"), cases, strict=True):
+        assert_matches_formula(out, q, paged, scale)
 
 
 WIDTH_SCRIPT = """
