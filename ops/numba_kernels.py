@@ -439,7 +439,7 @@ def _plan(seq_lens, block_size, num_kv_heads, num_threads):
     min_blocks = max(1, MIN_TOKEN_HEADS_PER_THREAD // (block_size * num_kv_heads))
     num_threads = max(1, min(num_threads, total_blocks // min_blocks))
     groups = 1
-    if num_threads > 1 and total_blocks * block_size < num_threads * LONG_SHARE_TOKENS:
+    if total_blocks * block_size < num_threads * LONG_SHARE_TOKENS:
         groups = _kv_head_groups(num_seqs, num_kv_heads, num_threads)
     total_work = total_blocks * groups  # blocks of one head group each
     # thread t takes the blocks [share_end[t - 1], share_end[t]) of the work laid end to end

@@ -154,8 +154,10 @@ def test_thread_counts(implementation, device, threads, torch_threads, generator
 def test_kv_head_groups(implementation, device, num_seqs, threads, torch_threads, generator):
     """Short sequences, fewer than the threads' chunks: the ISPC kernel splits each sequence's 8
     KV heads into groups (2 threads: 5 sequences give groups of 4 heads, 3 of 2, 1 of 1; 8 keep
-    them whole), and on 4 and 16 threads cuts a group's tokens into chunks as well; every
-    group's heads land in their own rows of the output."""
+    them whole), and on 4 and 16 threads cuts a group's tokens into chunks as well; the numba
+    kernel groups heads where its threads' shares are short (on as many threads as numba has:
+    ``test_numba_kernel_on_sixteen_threads`` runs 16); every group's heads land in their own
+    rows of the output."""
     torch_threads(threads)
     seq_lens = [900, 64, 400, 17, 700, 300, 129, 1024][:num_seqs]
     check(implementation, *make_case(seq_lens, 32, 8, 128, 16, torch.bfloat16, generator, device))
