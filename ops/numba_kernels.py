@@ -477,6 +477,15 @@ def _plan(seq_lens, block_size, num_kv_heads, num_threads):
             unit_end_block[:num_units], item_units, thread_units)
 
 
+@_compiled()
+def _item_heads(item, groups, num_heads):
+    """``(seq, first_head, end_head)``: the sequence of ``_plan``'s item ``item`` and the range of
+    query heads its KV head group covers."""
+    heads_per_item = num_heads // groups
+    first_head = (item % groups) * heads_per_item
+    return item // groups, first_head, first_head + heads_per_item
+
+
 # The helpers below get the caches whole, with indices, rather than slices of them: a slice of an
 # array shared by the threads updates its reference count, an atomic they would all contend for.
 # Slices of a thread's own working arrays are cheap. They read the half-precision caches
@@ -794,7 +803,6 @@ def _attend_units(first_unit, end_unit, q, k_cache, v_cache, block_table, seq_le
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    kv_heads_per_item = num_kv_heads // groups
     # the thread's own working arrays (slicing an array shared by the threads would make them
     # contend for its reference count); rows are indexed by query head
     queries = np.empty((num_heads, head_dim), np.float32)
@@ -804,10 +812,8 @@ def _attend_units(first_unit, end_unit, q, k_cache, v_cache, block_table, seq_le
     scores = np.empty((group, block_size), np.float32)
     for unit in range(first_unit, end_unit):
         item = unit_item[unit]
-        seq = item // groups
-        kv_head_begin = (item % groups) * kv_heads_per_item
-        kv_head_end = kv_head_begin + kv_heads_per_item
-        first_query_head, end_query_head = kv_head_begin * group, kv_head_end * group
+        seq, first_query_head, end_query_head = _item_heads(item, groups, num_heads)
+        kv_head_begin, kv_head_end = first_query_head // group, end_query_head // group
         for head in range(first_query_head, end_query_head):
             for d in range(head_dim):
                 queries[head, d] = _to_float32(q[seq, head, d]) * scale
@@ -861,14 +867,13 @@ def _merge_split_items(plan, partials, out):
     groups, _, _, _, item_units, _ = plan
     partial_out, partial_max, partial_sum = partials
     num_heads, head_dim = partial_out.shape[1], partial_out.shape[2]
-    heads_per_item = num_heads // groups
     merged = np.empty((num_heads, head_dim), np.float32)
     for item in range(item_units.shape[0] - 1):
         first, end = item_units[item], item_units[item + 1]
         if end - first == 1:
             continue
-        first_head = (item % groups) * heads_per_item
-        for head in range(first_head, first_head + heads_per_item):
+        seq, first_head, end_head = _item_heads(item, groups, num_heads)
+        for head in range(first_head, end_head):
             overall_max = partial_max[first, head]
             for unit in range(first + 1, end):
                 overall_max = max(overall_max, partial_max[unit, head])
@@ -882,7 +887,7 @@ def _merge_split_items(plan, partials, out):
                     merged[head, d] += weight * partial_out[unit, head, d]
             for d in range(head_dim):
                 merged[head, d] /= total
-        _store(merged, out, item // groups, first_head, first_head + heads_per_item)
+        _store(merged, out, seq, first_head, end_head)
 
 
 @_compiled(fastmath=FAST_MATH, nogil=True)
