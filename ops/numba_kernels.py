@@ -15,9 +15,10 @@ Algorithm (flash-decoding on the CPU):
    heads one by one, so that it reads each block's K and V in sequential runs (the layout is
    ``[num_blocks, num_kv_heads, block_size, head_dim]``) and can prefetch the next block. Every K
    and V element is decoded to float32 where it is loaded and used for up to four query heads of
-   its KV group at once; the softmax is computed online per block (running max, running sum,
-   rescaled accumulator), so each unit yields, per query head, an unnormalized output with its
-   max and sum of exponentials.
+   its KV group at once; the dot products of a tile of query heads and tokens are summed as
+   vectors and reduced together (``numba_vectors``). The softmax is computed online per block
+   (running max, running sum, rescaled accumulator), so each unit yields, per query head, an
+   unnormalized output with its max and sum of exponentials.
 3. **Merge.** A unit that is a whole item writes its normalized result directly. The units of an
    item split between threads are combined afterwards with a log-sum-exp merge.
 
@@ -48,7 +49,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import checks
+from . import checks, numba_vectors as vectors
 
 # Floating-point liberties that let LLVM vectorize the dot products and sums (reassociation,
 # contraction into FMA, fast exp), without the "no NaN / no infinity" assumptions of
@@ -491,7 +492,9 @@ def _item_heads(item, groups, num_heads):
 # Slices of a thread's own working arrays are cheap. They read the half-precision caches
 # directly, each element decoded once where it is loaded and used for every query head of the
 # tile; the token loops take register tiles of four tokens, with whatever remains of a block
-# done token by token.
+# done token by token. The score tiles hold their dot products as vectors of 16 lanes
+# (``numba_vectors``; ``head_dim`` is a multiple of 16, as the shared checks require) and reduce
+# them together.
 
 @_compiled(nogil=True)
 def _prefetch_rows(cache, block, head):
@@ -502,111 +505,116 @@ def _prefetch_rows(cache, block, head):
         _prefetch(cache, offset)
 
 
-@_compiled(fastmath=FAST_MATH, nogil=True)
+@njit(inline="always")
+def _store_tile_scores(totals, heads, tokens, scores, g, t):
+    """``scores[g + i, t + j]`` = lane ``i * tokens + j`` of ``totals``, a score tile's dot
+    products summed by ``vectors.sum_lanes``."""
+    for i in range(heads):
+        for j in range(tokens):
+            scores[g + i, t + j] = vectors.lane(totals, i * tokens + j)
+
+
+@_compiled(fastmath=FAST_MATH, nogil=True, inline="always")
 def _scores_one_head(queries, h, cache, block, kv_head, count, scores, g):
     """``scores[g, t] = queries[h] . cache[block, kv_head, t]`` for ``count`` tokens."""
     _use_512_bit_vectors()
+    head_dim = cache.shape[3]
     t = 0
     while t + 4 <= count:
-        dot0 = dot1 = dot2 = dot3 = np.float32(0.0)
-        for d in range(cache.shape[3]):
-            query = queries[h, d]
-            dot0 += query * _to_float32(cache[block, kv_head, t, d])
-            dot1 += query * _to_float32(cache[block, kv_head, t + 1, d])
-            dot2 += query * _to_float32(cache[block, kv_head, t + 2, d])
-            dot3 += query * _to_float32(cache[block, kv_head, t + 3, d])
-        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = dot0, dot1, dot2, dot3
+        dot0 = dot1 = dot2 = dot3 = vectors.zeros()
+        for d in range(0, head_dim, vectors.LANES):
+            query = vectors.load(queries, (h, d))
+            dot0 = vectors.fma(query, vectors.load(cache, (block, kv_head, t, d)), dot0)
+            dot1 = vectors.fma(query, vectors.load(cache, (block, kv_head, t + 1, d)), dot1)
+            dot2 = vectors.fma(query, vectors.load(cache, (block, kv_head, t + 2, d)), dot2)
+            dot3 = vectors.fma(query, vectors.load(cache, (block, kv_head, t + 3, d)), dot3)
+        _store_tile_scores(vectors.sum_lanes((dot0, dot1, dot2, dot3)), 1, 4, scores, g, t)
         t += 4
     for t in range(t, count):
         dot = np.float32(0.0)
-        for d in range(cache.shape[3]):
+        for d in range(head_dim):
             dot += queries[h, d] * _to_float32(cache[block, kv_head, t, d])
         scores[g, t] = dot
 
 
-@_compiled(fastmath=FAST_MATH, nogil=True)
+@_compiled(fastmath=FAST_MATH, nogil=True, inline="always")
 def _scores_two_heads(queries, h, cache, block, kv_head, count, scores, g):
     """``_scores_one_head`` for query heads ``h, h + 1`` into score rows ``g, g + 1``: each key
-    element loaded serves both."""
+    vector loaded serves both."""
     _use_512_bit_vectors()
+    head_dim = cache.shape[3]
     t = 0
     while t + 4 <= count:
-        dot00 = dot01 = dot02 = dot03 = np.float32(0.0)
-        dot10 = dot11 = dot12 = dot13 = np.float32(0.0)
-        for d in range(cache.shape[3]):
-            key0 = _to_float32(cache[block, kv_head, t, d])
-            key1 = _to_float32(cache[block, kv_head, t + 1, d])
-            key2 = _to_float32(cache[block, kv_head, t + 2, d])
-            key3 = _to_float32(cache[block, kv_head, t + 3, d])
-            query0, query1 = queries[h, d], queries[h + 1, d]
-            dot00 += query0 * key0
-            dot01 += query0 * key1
-            dot02 += query0 * key2
-            dot03 += query0 * key3
-            dot10 += query1 * key0
-            dot11 += query1 * key1
-            dot12 += query1 * key2
-            dot13 += query1 * key3
-        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = \
-            dot00, dot01, dot02, dot03
-        scores[g + 1, t], scores[g + 1, t + 1], scores[g + 1, t + 2], scores[g + 1, t + 3] = \
-            dot10, dot11, dot12, dot13
+        dot00 = dot01 = dot02 = dot03 = vectors.zeros()
+        dot10 = dot11 = dot12 = dot13 = vectors.zeros()
+        for d in range(0, head_dim, vectors.LANES):
+            key0 = vectors.load(cache, (block, kv_head, t, d))
+            key1 = vectors.load(cache, (block, kv_head, t + 1, d))
+            key2 = vectors.load(cache, (block, kv_head, t + 2, d))
+            key3 = vectors.load(cache, (block, kv_head, t + 3, d))
+            query0, query1 = vectors.load(queries, (h, d)), vectors.load(queries, (h + 1, d))
+            dot00 = vectors.fma(query0, key0, dot00)
+            dot01 = vectors.fma(query0, key1, dot01)
+            dot02 = vectors.fma(query0, key2, dot02)
+            dot03 = vectors.fma(query0, key3, dot03)
+            dot10 = vectors.fma(query1, key0, dot10)
+            dot11 = vectors.fma(query1, key1, dot11)
+            dot12 = vectors.fma(query1, key2, dot12)
+            dot13 = vectors.fma(query1, key3, dot13)
+        totals = vectors.sum_lanes((dot00, dot01, dot02, dot03, dot10, dot11, dot12, dot13))
+        _store_tile_scores(totals, 2, 4, scores, g, t)
         t += 4
     for t in range(t, count):
         dot0 = dot1 = np.float32(0.0)
-        for d in range(cache.shape[3]):
+        for d in range(head_dim):
             key = _to_float32(cache[block, kv_head, t, d])
             dot0 += queries[h, d] * key
             dot1 += queries[h + 1, d] * key
         scores[g, t], scores[g + 1, t] = dot0, dot1
 
 
-@_compiled(fastmath=FAST_MATH, nogil=True)
+@_compiled(fastmath=FAST_MATH, nogil=True, inline="always")
 def _scores_four_heads(queries, h, cache, block, kv_head, count, scores, g):
     """``_scores_one_head`` for query heads ``h .. h + 3`` into score rows ``g .. g + 3``: each
-    key element loaded serves all four."""
+    key vector loaded serves all four."""
     _use_512_bit_vectors()
+    head_dim = cache.shape[3]
     t = 0
     while t + 4 <= count:
-        dot00 = dot01 = dot02 = dot03 = np.float32(0.0)
-        dot10 = dot11 = dot12 = dot13 = np.float32(0.0)
-        dot20 = dot21 = dot22 = dot23 = np.float32(0.0)
-        dot30 = dot31 = dot32 = dot33 = np.float32(0.0)
-        for d in range(cache.shape[3]):
-            key0 = _to_float32(cache[block, kv_head, t, d])
-            key1 = _to_float32(cache[block, kv_head, t + 1, d])
-            key2 = _to_float32(cache[block, kv_head, t + 2, d])
-            key3 = _to_float32(cache[block, kv_head, t + 3, d])
-            query0, query1 = queries[h, d], queries[h + 1, d]
-            query2, query3 = queries[h + 2, d], queries[h + 3, d]
-            dot00 += query0 * key0
-            dot01 += query0 * key1
-            dot02 += query0 * key2
-            dot03 += query0 * key3
-            dot10 += query1 * key0
-            dot11 += query1 * key1
-            dot12 += query1 * key2
-            dot13 += query1 * key3
-            dot20 += query2 * key0
-            dot21 += query2 * key1
-            dot22 += query2 * key2
-            dot23 += query2 * key3
-            dot30 += query3 * key0
-            dot31 += query3 * key1
-            dot32 += query3 * key2
-            dot33 += query3 * key3
-        scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = \
-            dot00, dot01, dot02, dot03
-        scores[g + 1, t], scores[g + 1, t + 1], scores[g + 1, t + 2], scores[g + 1, t + 3] = \
-            dot10, dot11, dot12, dot13
-        scores[g + 2, t], scores[g + 2, t + 1], scores[g + 2, t + 2], scores[g + 2, t + 3] = \
-            dot20, dot21, dot22, dot23
-        scores[g + 3, t], scores[g + 3, t + 1], scores[g + 3, t + 2], scores[g + 3, t + 3] = \
-            dot30, dot31, dot32, dot33
+        dot00 = dot01 = dot02 = dot03 = vectors.zeros()
+        dot10 = dot11 = dot12 = dot13 = vectors.zeros()
+        dot20 = dot21 = dot22 = dot23 = vectors.zeros()
+        dot30 = dot31 = dot32 = dot33 = vectors.zeros()
+        for d in range(0, head_dim, vectors.LANES):
+            key0 = vectors.load(cache, (block, kv_head, t, d))
+            key1 = vectors.load(cache, (block, kv_head, t + 1, d))
+            key2 = vectors.load(cache, (block, kv_head, t + 2, d))
+            key3 = vectors.load(cache, (block, kv_head, t + 3, d))
+            query0, query1 = vectors.load(queries, (h, d)), vectors.load(queries, (h + 1, d))
+            query2, query3 = vectors.load(queries, (h + 2, d)), vectors.load(queries, (h + 3, d))
+            dot00 = vectors.fma(query0, key0, dot00)
+            dot01 = vectors.fma(query0, key1, dot01)
+            dot02 = vectors.fma(query0, key2, dot02)
+            dot03 = vectors.fma(query0, key3, dot03)
+            dot10 = vectors.fma(query1, key0, dot10)
+            dot11 = vectors.fma(query1, key1, dot11)
+            dot12 = vectors.fma(query1, key2, dot12)
+            dot13 = vectors.fma(query1, key3, dot13)
+            dot20 = vectors.fma(query2, key0, dot20)
+            dot21 = vectors.fma(query2, key1, dot21)
+            dot22 = vectors.fma(query2, key2, dot22)
+            dot23 = vectors.fma(query2, key3, dot23)
+            dot30 = vectors.fma(query3, key0, dot30)
+            dot31 = vectors.fma(query3, key1, dot31)
+            dot32 = vectors.fma(query3, key2, dot32)
+            dot33 = vectors.fma(query3, key3, dot33)
+        totals = vectors.sum_lanes((dot00, dot01, dot02, dot03, dot10, dot11, dot12, dot13,
+                                    dot20, dot21, dot22, dot23, dot30, dot31, dot32, dot33))
+        _store_tile_scores(totals, 4, 4, scores, g, t)
         t += 4
     for t in range(t, count):
         dot0 = dot1 = dot2 = dot3 = np.float32(0.0)
-        for d in range(cache.shape[3]):
+        for d in range(head_dim):
             key = _to_float32(cache[block, kv_head, t, d])
             dot0 += queries[h, d] * key
             dot1 += queries[h + 1, d] * key

@@ -576,6 +576,63 @@ def test_numba_exp():
     assert exp_all(np.array([-np.inf, -200.0, -1e30], np.float32)).tolist() == [0.0, 0.0, 0.0]
 
 
+def numba_vectors_or_skip():
+    numba_kernels_or_skip()
+    from neo.ops import numba_vectors
+
+    return numba_vectors
+
+
+@pytest.mark.parametrize("count", [4, 8, 16])
+def test_numba_vector_lane_sums(count, generator):
+    """``sum_lanes`` puts the lane sum of the i-th of 4, 8 or 16 vectors in lane i."""
+    vectors = numba_vectors_or_skip()
+    from numba import njit
+
+    @njit
+    def lane_sums(rows):
+        loaded = (vectors.load(rows, (0, 0)), vectors.load(rows, (1, 0)),
+                  vectors.load(rows, (2, 0)), vectors.load(rows, (3, 0)),
+                  vectors.load(rows, (4, 0)), vectors.load(rows, (5, 0)),
+                  vectors.load(rows, (6, 0)), vectors.load(rows, (7, 0)),
+                  vectors.load(rows, (8, 0)), vectors.load(rows, (9, 0)),
+                  vectors.load(rows, (10, 0)), vectors.load(rows, (11, 0)),
+                  vectors.load(rows, (12, 0)), vectors.load(rows, (13, 0)),
+                  vectors.load(rows, (14, 0)), vectors.load(rows, (15, 0)))
+        totals = vectors.sum_lanes(loaded[:count])
+        out = np.empty(count, np.float32)
+        for i in range(count):
+            out[i] = vectors.lane(totals, i)
+        return out
+
+    rows = torch.randn(16, vectors.LANES, generator=generator)
+    expected = rows[:count].double().sum(dim=1)
+    torch.testing.assert_close(torch.from_numpy(lane_sums(rows.numpy())).double(), expected,
+                               rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_numba_vector_load_decodes(dtype, generator):
+    """``load`` reads 16 elements from the indexed one on, decoded to float32 exactly."""
+    vectors = numba_vectors_or_skip()
+    from numba import njit
+
+    bits_dtype = {torch.float32: torch.float32, torch.bfloat16: torch.uint16,
+                  torch.float16: torch.int16}[dtype]
+
+    @njit
+    def load_lanes(values, row, column):
+        loaded = vectors.load(values, (row, column))
+        out = np.empty(vectors.LANES, np.float32)
+        for i in range(vectors.LANES):
+            out[i] = vectors.lane(loaded, i)
+        return out
+
+    values = torch.randn(3, 40, generator=generator).to(dtype)
+    lanes = load_lanes(values.view(bits_dtype).numpy(), 2, 7)
+    assert torch.equal(torch.from_numpy(lanes), values[2, 7:23].float())
+
+
 # Sequence lengths for the numba plan: a small host batch's layers (8x256, 8x768, 1x256), long
 # calls, uneven lengths, and very short sequences.
 PLAN_CASES = {"1x256": [256], "8x256": [256] * 8, "8x768": [768] * 8, "16x4096": [4096] * 16,
@@ -672,7 +729,7 @@ cache = torch.randn(2, 2, 16, 128, dtype=torch.bfloat16)
 torch.ops.neo_numba.paged_decode_attention(torch.empty_like(q), q, cache, cache,
                                            torch.tensor([[0, 1]], dtype=torch.int32),
                                            torch.tensor([20], dtype=torch.int32), 0.125)
-for name in ("_scores_four_heads", "_online_softmax", "_accumulate_four_heads"):
+for name in ("_block_scores", "_online_softmax", "_accumulate_four_heads"):
     assembly = "".join(getattr(numba_kernels, name).inspect_asm().values())
     print(name, assembly.count("%zmm"))
 """
@@ -694,5 +751,5 @@ def test_numba_loops_use_512_bit_vectors_under_intel_tuning(tmp_path):
                             timeout=600, env=environment)
     assert result.returncode == 0, result.stderr
     counts = dict(line.split() for line in result.stdout.splitlines())
-    assert set(counts) == {"_scores_four_heads", "_online_softmax", "_accumulate_four_heads"}
+    assert set(counts) == {"_block_scores", "_online_softmax", "_accumulate_four_heads"}
     assert all(int(count) > 0 for count in counts.values()), counts
