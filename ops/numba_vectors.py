@@ -115,7 +115,8 @@ def _reduction_plan(count: int) -> tuple[list[list[int]], list[int]]:
         half = width // 2
         pairs = [[i, min(i + 1, len(owners) - 1)] for i in range(0, len(owners), 2)]
         owners = [[owner for chunk in range(0, LANES, width)
-                   for owner in owners[first][chunk:chunk + half] + owners[second][chunk:chunk + half]]
+                   for owner in (owners[first][chunk:chunk + half]
+                                 + owners[second][chunk:chunk + half])]
                   for first, second in pairs]
         levels.append(pairs)
         width = half
