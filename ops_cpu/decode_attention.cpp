@@ -119,8 +119,9 @@ struct Kernels {
                          const ispc::ChunkRange* next_chunk, bool prefetch_start,
                          float* scaled_query, float* accumulator, float* running_max,
                          float* running_sum);
-    void (*merge_partials)(const float* partials, int32_t count, int32_t num_heads,
-                           int32_t head_dim, Storage* out);
+    // spends the partials: overwrites their running_max and the first one's running_sum
+    void (*merge_partials)(float* partials, int32_t count, int32_t num_heads, int32_t head_dim,
+                           Storage* out);
 };
 
 template <typename Storage>
